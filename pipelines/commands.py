@@ -1,0 +1,108 @@
+"""CLI commands of the pipelines package: ``broker``, ``produce``, ``ingest``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from pipelines.storage import ObjectStoreSettings
+
+log = logging.getLogger(__name__)
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("broker", help="run the embedded Kafka-compatible dev broker (Tansu)")
+    p.add_argument("--port", type=int, default=9092)
+    p.add_argument("--host", default="127.0.0.1", help="listen address (loopback by default)")
+    p.set_defaults(func=cmd_broker)
+
+    p = sub.add_parser("produce", help="publish a Debezium JSON-lines file to a topic")
+    p.add_argument("--bootstrap", required=True, metavar="H:P")
+    p.add_argument("--topic", required=True)
+    p.add_argument("file", type=Path, metavar="FILE.jsonl")
+    p.set_defaults(func=cmd_produce)
+
+    p = sub.add_parser("ingest", help="run the streaming job: Kafka CDC topics → chunks → lake")
+    p.add_argument("--bootstrap", required=True, metavar="H:P")
+    p.add_argument("--topic", action="append", required=True, dest="topics", help="repeat for more topics")
+    p.add_argument("--lake", required=True, metavar="URI", help="path, file:// or s3://bucket/prefix")
+    p.add_argument("--recovery-dir", metavar="DIR", help="local directory for resume state")
+    p.add_argument("--workers", type=int, default=1, help="processes on this machine (default 1)")
+    p.add_argument("--until-idle", type=float, metavar="SECONDS", dest="until_idle_s",
+                   help="exit 0 after this many seconds without new messages")
+    p.add_argument("--mapping", dest="mapping_file", metavar="FILE", help="table → document mapping (YAML/JSON)")
+    p.add_argument("--model", help="embedding model directory (default: bundled all-MiniLM-L6-v2)")
+    p.add_argument("--device", default="auto", help="auto (CUDA fp16 when present), cpu or cuda")
+    p.add_argument("--writers", type=int, help="lake writers (fixed when the lake is created; default 2)")
+    p.add_argument("--job-name", help="names this job's lake writers (default 'ingest')")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (process i uses port + i)")
+    p.add_argument("--epoch-interval", type=float, dest="epoch_interval_s", help="seconds between snapshots (2)")
+    p.add_argument("--batch-max-events", type=int, help="changes per embedding micro-batch (64)")
+    p.add_argument("--batch-timeout-ms", type=int, help="longest wait to fill a micro-batch (200)")
+    p.add_argument("--chunk-max-tokens", type=int, help="chunk size budget in tokens (200)")
+    p.set_defaults(func=cmd_ingest)
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from pipelines.broker import start_broker
+
+    proc = start_broker(args.port, args.host)
+    print(f"{args.host}:{args.port}", flush=True)
+    log.info("Tansu broker (memory storage) on %s:%d; Ctrl-C or SIGTERM stops it", args.host, args.port)
+    stop = {"flag": False}
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop["flag"] and proc.poll() is None:
+        try:
+            proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(10)
+        return 0
+    log.error("broker exited with %s", proc.returncode)
+    return 1
+
+
+def cmd_produce(args: argparse.Namespace) -> int:
+    from pipelines.kafka_io import produce_file
+
+    if not args.file.is_file():
+        raise SystemExit(f"error: no such file {args.file}")
+    n = produce_file(args.bootstrap, args.topic, args.file)
+    print(f"produced {n} messages to {args.topic}")
+    return 0
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from pipelines.runner import run_ingest
+    from pipelines.settings import IngestSettings
+
+    store = ObjectStoreSettings.from_env()
+    given = {k: v for k, v in vars(args).items() if k not in ("func", "command", "verbose") and v is not None}
+    try:
+        settings = IngestSettings(
+            **given,
+            s3_endpoint_url=store.endpoint_url,
+            s3_access_key_id=store.access_key_id,
+            s3_secret_access_key=store.secret_access_key,
+            s3_session_token=store.session_token,
+            s3_region=store.region,
+        )
+    except ValidationError as exc:
+        for err in exc.errors():
+            print(f"error: --{'-'.join(str(p) for p in err['loc'])}: {err['msg']}", file=sys.stderr)
+        return 2
+    return run_ingest(settings)

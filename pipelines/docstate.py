@@ -1,0 +1,119 @@
+"""Per-document state: apply one change event, emit the chunk versions it implies.
+
+Pure functions over a small state, used by the keyed stateful step of the flow:
+
+- a change at or before the last applied position is stale (late or duplicated) and
+  ignored;
+- an upsert is chunked and diffed against the previous version: new chunks and chunks
+  whose document metadata (title, ACL) changed get upsert rows, chunks that disappeared
+  get delete rows, untouched chunks get nothing (so nothing is re-embedded);
+- a delete emits delete rows for every live chunk; a Kafka tombstone deletes a document
+  only if it is still live (normally its delete event came first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipelines.chunking import Chunker
+from pipelines.records import ChangeEvent, ChunkVersion, DocUpdate
+
+Outcome = Literal["applied", "stale", "unchanged", "tombstone"]
+
+#: Appended to the last position for a tombstone delete: sorts after it.
+_TOMBSTONE_SUFFIX = "~tombstone"
+
+
+@dataclass
+class DocState:
+    position: str
+    live: bool
+    title: str = ""
+    acl: tuple[str, ...] = ()
+    #: chunk id → (chunk index, content hash) of the live version
+    chunks: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+
+def chunk_id(doc_id: str, content_hash: str, occurrence: int) -> str:
+    """Deterministic: the same text at the same occurrence in a document keeps its id."""
+    raw = f"{doc_id}\x00{content_hash}\x00{occurrence}".encode()
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def apply_change(
+    state: DocState | None, event: ChangeEvent, chunker: Chunker
+) -> tuple[DocState | None, DocUpdate | None, Outcome]:
+    """Apply one event to a document's state; return (state, update or None, outcome)."""
+    if event.tombstone:
+        if state is None or not state.live:
+            return state, None, "tombstone"
+        position = state.position + _TOMBSTONE_SUFFIX
+    else:
+        assert event.position is not None
+        if state is not None and event.position <= state.position:
+            return state, None, "stale"
+        position = event.position
+
+    if event.op == "delete":
+        versions = _deletes(state, event, position)
+        new_state = DocState(position, live=False)
+    else:
+        new_state, versions = _upsert(state, event, position, chunker)
+    if not versions:
+        return new_state, None, "unchanged"
+    return new_state, DocUpdate(event.doc_id, event.kafka, event.event_time_ms, tuple(versions)), "applied"
+
+
+def _version(event: ChangeEvent, position: str, cid: str, op: str, index: int, text: str, chash: str,
+             acl: tuple[str, ...], tokens: int = 0) -> ChunkVersion:
+    return ChunkVersion(
+        chunk_id=cid,
+        doc_id=event.doc_id,
+        source_table=event.source_table,
+        source_pk=event.source_pk,
+        position=position,
+        op="upsert" if op == "upsert" else "delete",
+        chunk_index=index,
+        text=text,
+        content_hash=chash,
+        acl=acl,
+        kafka=event.kafka,
+        event_time_ms=event.event_time_ms,
+        token_count=tokens,
+        title=event.title,
+    )
+
+
+def _deletes(state: DocState | None, event: ChangeEvent, position: str) -> list[ChunkVersion]:
+    if state is None or not state.live:
+        return []
+    return [
+        _version(event, position, cid, "delete", index, "", chash, state.acl)
+        for cid, (index, chash) in state.chunks.items()
+    ]
+
+
+def _upsert(
+    state: DocState | None, event: ChangeEvent, position: str, chunker: Chunker
+) -> tuple[DocState, list[ChunkVersion]]:
+    old = state.chunks if state is not None and state.live else {}
+    meta_changed = state is None or not state.live or (state.title, state.acl) != (event.title, event.acl)
+    seen: dict[str, int] = {}
+    new_chunks: dict[str, tuple[int, str]] = {}
+    versions: list[ChunkVersion] = []
+    for chunk in chunker.chunk(event.text):
+        occurrence = seen.get(chunk.content_hash, 0)
+        seen[chunk.content_hash] = occurrence + 1
+        cid = chunk_id(event.doc_id, chunk.content_hash, occurrence)
+        new_chunks[cid] = (chunk.index, chunk.content_hash)
+        if cid not in old or meta_changed:
+            versions.append(
+                _version(event, position, cid, "upsert", chunk.index, chunk.text, chunk.content_hash,
+                         event.acl, chunk.token_count)
+            )
+    for cid, (index, chash) in old.items():
+        if cid not in new_chunks:
+            versions.append(_version(event, position, cid, "delete", index, "", chash, state.acl if state else ()))
+    return DocState(position, True, event.title, event.acl, new_chunks), versions

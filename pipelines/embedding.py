@@ -1,0 +1,139 @@
+"""Embed the chunk versions of a micro-batch and lay them out as ``chunks`` rows.
+
+Only upserts are embedded, and of those only content not embedded recently by this
+process (same content hash, same model: an LRU cache), so metadata-only changes and
+repeated text cost nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+import numpy as np
+import pyarrow as pa
+
+from pipelines import metrics
+from pipelines.lake import CHUNKS_SCHEMA, DEAD_LETTERS_SCHEMA
+from pipelines.records import ChunkVersion, DeadLetter, DocUpdate
+from serving.embedder import Embedder
+
+
+class VectorCache:
+    """content hash → vector, least recently used first out."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def get(self, key: str) -> np.ndarray | None:
+        vec = self._items.get(key)
+        if vec is not None:
+            self._items.move_to_end(key)
+        return vec
+
+    def put(self, key: str, vec: np.ndarray) -> None:
+        if self.capacity <= 0:
+            return
+        self._items[key] = vec
+        self._items.move_to_end(key)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+
+class BatchEmbedder:
+    """Turns micro-batches of :class:`DocUpdate` into Arrow rows of ``chunks``."""
+
+    def __init__(self, embedder: Embedder, cache_size: int = 50_000) -> None:
+        self.embedder = embedder
+        self.model = str(embedder.identity)
+        self.cache = VectorCache(cache_size)
+
+    def rows(self, updates: Sequence[DocUpdate]) -> pa.Table:
+        versions = [v for u in updates for v in u.versions]
+        vectors = self._vectors(versions)
+        now = datetime.now(UTC)
+        return pa.table(
+            {
+                "chunk_id": [v.chunk_id for v in versions],
+                "doc_id": [v.doc_id for v in versions],
+                "source_table": [v.source_table for v in versions],
+                "source_pk": [v.source_pk for v in versions],
+                "position": [v.position for v in versions],
+                "op": [v.op for v in versions],
+                "chunk_index": [v.chunk_index for v in versions],
+                "title": [v.title for v in versions],
+                "text": [v.text if v.op == "upsert" else None for v in versions],
+                "content_hash": [v.content_hash for v in versions],
+                "token_count": [v.token_count for v in versions],
+                "embedding": vectors,
+                "model": [self.model if v.op == "upsert" else None for v in versions],
+                "acl": [list(v.acl) for v in versions],
+                "kafka_topic": [v.kafka.topic for v in versions],
+                "kafka_partition": [v.kafka.partition for v in versions],
+                "kafka_offset": [v.kafka.offset for v in versions],
+                "event_time": [_ms_to_dt(v.event_time_ms) for v in versions],
+                "ingest_time": [now] * len(versions),
+                "writer": [None] * len(versions),
+                "writer_seq": [None] * len(versions),
+            },
+            schema=CHUNKS_SCHEMA,
+        )
+
+    def _vectors(self, versions: Sequence[ChunkVersion]) -> list[list[float] | None]:
+        out: list[np.ndarray | None] = [None] * len(versions)
+        todo: dict[str, list[int]] = {}
+        for i, v in enumerate(versions):
+            if v.op != "upsert":
+                continue
+            cached = self.cache.get(v.content_hash)
+            if cached is not None:
+                out[i] = cached
+            else:
+                todo.setdefault(v.content_hash, []).append(i)
+        skipped = sum(1 for v in versions if v.op == "upsert") - sum(len(ix) for ix in todo.values())
+        metrics.CHUNKS.labels("skipped-cached").inc(skipped)
+        if todo:
+            first = [ix[0] for ix in todo.values()]
+            texts = [versions[i].text for i in first]
+            tokens = [versions[i].token_count or 0 for i in first]
+            started = time.perf_counter()
+            vecs = self.embedder.embed(texts, tokens if all(tokens) else None)
+            metrics.EMBED_SECONDS.observe(time.perf_counter() - started)
+            metrics.BATCH_SIZE.observe(len(texts))
+            metrics.CHUNKS.labels("embedded").inc(len(texts))
+            for (chash, idxs), vec in zip(todo.items(), vecs, strict=True):
+                self.cache.put(chash, vec)
+                for i in idxs:
+                    out[i] = vec
+        metrics.CHUNKS.labels("deleted").inc(sum(1 for v in versions if v.op == "delete"))
+        return [None if v is None else v.tolist() for v in out]
+
+
+def dead_letter_rows(letters: Sequence[DeadLetter]) -> pa.Table:
+    import json
+
+    now = datetime.now(UTC)
+    return pa.table(
+        {
+            "topic": [d.kafka.topic for d in letters],
+            "partition": [d.kafka.partition for d in letters],
+            "offset": [d.kafka.offset for d in letters],
+            "key": [d.key for d in letters],
+            "value": [d.value for d in letters],
+            "error": [d.error for d in letters],
+            "headers": [
+                json.dumps({k: v.decode("utf-8", "replace") for k, v in d.headers}) for d in letters
+            ],
+            "ingest_time": [now] * len(letters),
+            "writer": [None] * len(letters),
+            "writer_seq": [None] * len(letters),
+        },
+        schema=DEAD_LETTERS_SCHEMA,
+    )
+
+
+def _ms_to_dt(ms: int | None) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC)

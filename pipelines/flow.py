@@ -1,0 +1,129 @@
+"""The streaming job as a Bytewax dataflow: Kafka → decode → per-document diff → embed → lake.
+
+Run it with ``streamrag ingest`` or ``python -m bytewax.run "pipelines.flow:build_flow()"``
+(settings from ``STREAMRAG_INGEST_*`` variables).
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Callable
+from datetime import timedelta
+from functools import cached_property
+
+import bytewax.operators as op
+import pyarrow as pa
+from bytewax.dataflow import Dataflow
+from bytewax.inputs import Source
+
+from pipelines import metrics
+from pipelines.chunking import Chunker
+from pipelines.debezium import decode
+from pipelines.docstate import DocState, apply_change
+from pipelines.embedding import BatchEmbedder, dead_letter_rows
+from pipelines.kafka_io import DeadLetterProducer, IdleStoppingKafkaSource, SourceItem, kafka_coordinates
+from pipelines.lake import CHUNKS, DEAD_LETTERS, Lake
+from pipelines.lake_sink import LakeSink
+from pipelines.mapping import MappingConfig
+from pipelines.records import ChangeEvent, DeadLetter, DocUpdate
+from pipelines.settings import IngestSettings
+from serving.embedder import Embedder, load_embedder
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    """What the steps of one process share; the model loads on first use."""
+
+    def __init__(self, settings: IngestSettings, embedder: Embedder | None = None) -> None:
+        self.settings = settings
+        if embedder is not None:
+            self.__dict__["embedder"] = embedder  # fills the cached property
+        self.mappings = MappingConfig.load(settings.mapping_file)
+        self.lake = Lake.at(settings.lake, settings.object_store())
+
+    @cached_property
+    def embedder(self) -> Embedder:
+        return load_embedder(self.settings.model, device=self.settings.device,
+                             token_budget=self.settings.embed_token_budget)
+
+    @cached_property
+    def chunker(self) -> Chunker:
+        max_tokens = min(self.settings.chunk_max_tokens, self.embedder.max_tokens)
+        overlap = min(self.settings.chunk_overlap_tokens, max_tokens // 2 - 1)
+        return Chunker(self.embedder.count_tokens, max_tokens=max_tokens, overlap_tokens=overlap)
+
+    @cached_property
+    def batch_embedder(self) -> BatchEmbedder:
+        return BatchEmbedder(self.embedder, self.settings.vector_cache_size)
+
+    # -- step functions ---------------------------------------------------------------
+
+    def decode(self, item: SourceItem) -> ChangeEvent | DeadLetter | None:
+        coords = kafka_coordinates(item)
+        if coords is None:  # a consumer error, not a message: librdkafka retries it
+            log.warning("Kafka consumer error: %s", getattr(item, "err", item))
+            metrics.EVENTS.labels("consumer-error").inc()
+            return None
+        msg = item
+        headers = tuple((k, v if isinstance(v, bytes) else bytes(v or b"")) for k, v in (msg.headers or []))
+        result = decode(msg.key, msg.value, coords, self.mappings, headers)
+        metrics.EVENTS.labels("dead-letter" if isinstance(result, DeadLetter) else "decoded").inc()
+        return result
+
+    def apply(self, state: DocState | None, event: ChangeEvent) -> tuple[DocState | None, list[DocUpdate]]:
+        new_state, update, outcome = apply_change(state, event, self.chunker)
+        metrics.EVENTS.labels(outcome).inc()
+        if update is None:
+            return new_state, []
+        if new_state is not None and new_state.live:
+            written = sum(1 for v in update.versions if v.op == "upsert")
+            metrics.CHUNKS.labels("unchanged").inc(len(new_state.chunks) - written)
+        return new_state, [update]
+
+    def writer_key(self, name: str) -> str:
+        return f"{zlib.crc32(name.encode()) % self.settings.writers:03d}"
+
+
+def build_flow(
+    settings: IngestSettings | None = None,
+    source: Source[SourceItem] | None = None,
+    publish_dead_letters: Callable[[pa.Table], None] | None = None,
+    embedder: Embedder | None = None,
+) -> Dataflow:
+    """The ingest dataflow for these settings (from the environment when not given).
+
+    ``source``, ``publish_dead_letters`` and ``embedder`` replace the Kafka input, the
+    dead-letter topic and the model (tests use in-memory ones).
+    """
+    settings = settings or IngestSettings()
+    rt = Runtime(settings, embedder)
+    batch_timeout = timedelta(milliseconds=settings.batch_timeout_ms)
+    if source is None:
+        source = IdleStoppingKafkaSource(
+            brokers=[settings.bootstrap], topics=settings.topics, idle_s=settings.until_idle_s,
+            add_config=settings.kafka_config,
+        )
+    if publish_dead_letters is None:
+        publish_dead_letters = DeadLetterProducer(
+            settings.bootstrap, settings.dlq_suffix, settings.kafka_config).publish
+
+    flow = Dataflow("streamrag-ingest")
+    msgs = op.input("kafka-in", flow, source)  # KafkaSourceMessage | KafkaError
+    decoded = op.filter_map("decode", msgs, rt.decode)  # ChangeEvent | DeadLetter
+    split = op.branch("split-dead-letters", decoded, lambda x: isinstance(x, ChangeEvent))
+    by_doc = op.key_on("key-by-doc", split.trues, lambda e: e.doc_id)  # (doc_id, ChangeEvent)
+    updates = op.stateful_flat_map("apply-to-doc", by_doc, rt.apply)  # (doc_id, DocUpdate)
+    by_writer = op.key_on("key-by-writer", op.key_rm("drop-doc-key", updates),
+                          lambda u: rt.writer_key(u.doc_id))  # (writer, DocUpdate)
+    batches = op.collect("micro-batch", by_writer, batch_timeout, settings.batch_max_events)  # (writer, [DocUpdate])
+    rows = op.map_value("embed", batches, rt.batch_embedder.rows)  # (writer, pa.Table)
+    op.output("lake-chunks", rows, LakeSink(rt.lake, CHUNKS, settings))
+
+    letters = op.key_on("key-dead-letters", split.falses,
+                        lambda d: rt.writer_key(f"{d.kafka.topic}/{d.kafka.partition}"))  # (writer, DeadLetter)
+    letter_batches = op.collect("dead-letter-batch", letters, batch_timeout, 256)  # (writer, [DeadLetter])
+    letter_rows = op.map_value("dead-letter-rows", letter_batches, dead_letter_rows)  # (writer, pa.Table)
+    op.output("lake-dead-letters", letter_rows, LakeSink(rt.lake, DEAD_LETTERS, settings, before_commit=publish_dead_letters))
+    return flow

@@ -1,0 +1,197 @@
+"""Kafka at the edges of the job: the source, the dead-letter producer, ``produce``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from bytewax.connectors.kafka import KafkaError, KafkaSource, KafkaSourceMessage
+from bytewax.inputs import StatefulSourcePartition
+from confluent_kafka import Producer
+
+from pipelines import metrics
+from pipelines.records import KafkaCoordinates
+
+log = logging.getLogger(__name__)
+
+SourceItem = KafkaSourceMessage[bytes | None, bytes | None] | KafkaError[bytes | None, bytes | None]
+
+#: librdkafka's default partitioner differs from Java's; Debezium (Java) uses murmur2.
+PRODUCER_DEFAULTS = {"partitioner": "murmur2_random", "enable.idempotence": "true", "acks": "all"}
+
+
+class KafkaIOError(RuntimeError):
+    """A Kafka operation failed for good (after librdkafka's own retries)."""
+
+
+def kafka_coordinates(item: SourceItem) -> KafkaCoordinates | None:
+    if isinstance(item, KafkaError):
+        return None
+    return KafkaCoordinates(item.topic or "", int(item.partition or 0), int(item.offset or 0))
+
+
+class _IdlePartition(StatefulSourcePartition[SourceItem, Any]):
+    """Wraps a Kafka partition: sleeps when there is nothing to read, and ends after
+    ``idle_s`` seconds without messages when that is set (batch runs, backfills, tests)."""
+
+    def __init__(self, inner: StatefulSourcePartition[SourceItem, Any], idle_s: float | None) -> None:
+        self._inner = inner
+        self._idle_s = idle_s
+        self._last = time.monotonic()
+        self._awake: datetime | None = None
+
+    def next_batch(self) -> list[SourceItem]:
+        batch = list(self._inner.next_batch())
+        now = time.monotonic()
+        if batch:
+            self._last = now
+            self._awake = None
+        else:
+            if self._idle_s is not None and now - self._last >= self._idle_s:
+                raise StopIteration()
+            # Don't spin: the embedder needs the CPU more than an empty poll does.
+            self._awake = datetime.now(UTC) + timedelta(milliseconds=50)
+        return batch
+
+    def next_awake(self) -> datetime | None:
+        return self._awake
+
+    def snapshot(self) -> Any:
+        return self._inner.snapshot()
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class IdleStoppingKafkaSource(KafkaSource):
+    """Bytewax's Kafka input, with ``idle_s`` (``--until-idle``) and no busy polling."""
+
+    def __init__(self, brokers: Iterable[str], topics: Iterable[str], idle_s: float | None = None,
+                 add_config: dict[str, str] | None = None) -> None:
+        super().__init__(list(brokers), list(topics), tail=True, add_config=add_config,
+                         batch_size=500, raise_on_errors=False)
+        self._idle_s = idle_s
+
+    def build_part(self, step_id: str, for_part: str, resume_state: Any) -> _IdlePartition:
+        return _IdlePartition(super().build_part(step_id, for_part, resume_state), self._idle_s)
+
+
+class DeadLetterProducer:
+    """Publishes dead letters to ``<topic><suffix>`` and waits for every delivery.
+
+    Bytewax's KafkaSink drops produce errors silently; a lost dead letter is a lost event,
+    so this producer checks each delivery report and raises if any failed.
+    """
+
+    def __init__(self, bootstrap: str, suffix: str = ".dlq", config: dict[str, str] | None = None,
+                 timeout_s: float = 30.0) -> None:
+        self._config = {"bootstrap.servers": bootstrap, **PRODUCER_DEFAULTS, **(config or {})}
+        self._suffix = suffix
+        self._timeout_s = timeout_s
+        self._producer: Producer | None = None
+
+    def publish(self, rows: pa.Table) -> None:
+        if rows.num_rows == 0:
+            return
+        if self._producer is None:
+            self._producer = Producer(self._config)
+        errors: list[str] = []
+
+        def on_delivery(err: Any, _msg: Any) -> None:
+            if err is not None:
+                errors.append(str(err))
+
+        for row in rows.to_pylist():
+            headers = [(k, v.encode()) for k, v in json.loads(row["headers"] or "{}").items()]
+            headers += [
+                ("streamrag.error", row["error"].encode()),
+                ("streamrag.source.topic", row["topic"].encode()),
+                ("streamrag.source.partition", str(row["partition"]).encode()),
+                ("streamrag.source.offset", str(row["offset"]).encode()),
+            ]
+            self._producer.produce(row["topic"] + self._suffix, value=row["value"], key=row["key"],
+                                   headers=headers, on_delivery=on_delivery)
+            self._producer.poll(0)
+        remaining = self._producer.flush(self._timeout_s)
+        if remaining or errors:
+            raise KafkaIOError(
+                f"{remaining} dead letters undelivered and {len(errors)} failed "
+                f"({'; '.join(errors[:3])}); the batch will be retried."
+            )
+        metrics.DEAD_LETTERS.inc(rows.num_rows)
+
+
+def read_jsonl_messages(path: Path) -> Iterator[tuple[int, bytes | None, bytes | None]]:
+    """Lines of a ``produce`` file → (line number, key bytes, value bytes).
+
+    A line is a Debezium envelope, a ``{"schema", "payload"}`` wrapper, or
+    ``{"key": …, "value": …}`` (a null value is a tombstone). A line that is not JSON is
+    sent as it is (raw bytes), so the job's dead-letter path can be exercised.
+    """
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            line = raw.rstrip(b"\r\n")
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                yield lineno, None, line
+                continue
+            if isinstance(obj, dict) and set(obj) <= {"key", "value"} and "value" in obj:
+                key, value = obj.get("key"), obj["value"]
+                yield lineno, _json_bytes(key), None if value is None else _json_bytes(value)
+            else:
+                yield lineno, _derived_key(obj), line
+
+
+def _json_bytes(value: Any) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode()
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _derived_key(obj: Any) -> bytes | None:
+    """Key a bare envelope by its row's ``id`` as Debezium would (``{"id": …}``)."""
+    from pipelines.debezium import unwrap
+
+    env = unwrap(obj)
+    if not isinstance(env, dict):
+        return None
+    row = env.get("after") or env.get("before")
+    if isinstance(row, dict) and row.get("id") is not None:
+        return json.dumps({"id": row["id"]}, separators=(",", ":")).encode()
+    return None
+
+
+def produce_file(bootstrap: str, topic: str, path: Path, config: dict[str, str] | None = None) -> int:
+    """Publish a JSON-lines file; return the number of messages delivered."""
+    producer = Producer({"bootstrap.servers": bootstrap, **PRODUCER_DEFAULTS, **(config or {})})
+    errors: list[str] = []
+    sent = 0
+
+    def on_delivery(err: Any, _msg: Any) -> None:
+        if err is not None:
+            errors.append(str(err))
+
+    for _lineno, key, value in read_jsonl_messages(path):
+        while True:
+            try:
+                producer.produce(topic, key=key, value=value, on_delivery=on_delivery)
+                break
+            except BufferError:
+                producer.poll(0.1)
+        sent += 1
+        producer.poll(0)
+    remaining = producer.flush(60)
+    if remaining or errors:
+        raise KafkaIOError(f"{remaining} messages undelivered, {len(errors)} failed: {errors[:3]}")
+    return sent

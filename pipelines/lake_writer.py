@@ -1,0 +1,146 @@
+"""Exactly-once appends to a Delta table: one writer per Delta app id.
+
+Each writer (a sink partition of the streaming job) numbers its commits 1, 2, 3, … and
+records the number as a Delta app transaction ``(app_id, seq)`` in the same commit as
+the rows; every row also carries ``writer`` and ``writer_seq``. The streaming job's
+recovery snapshot holds the seq the writer had reached at the end of the last completed
+epoch. After a crash the job replays from that epoch, so rows committed after it arrive
+again: on start the writer reads the rows it committed after the snapshot's seq and drops
+replayed rows with the same identity (``lake.IDENTITY``). Nothing is lost (the replay
+re-sends everything after the snapshot) and nothing is written twice.
+
+deltalake accepts a commit whose app version was already used, so the writer checks
+``transaction_version(app_id)`` before each commit: a mismatch means a second writer
+with the same app id, and the writer stops rather than corrupt the table.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+from deltalake import CommitProperties, Transaction, write_deltalake
+
+from pipelines.lake import IDENTITY, Lake
+
+log = logging.getLogger(__name__)
+
+Identity = tuple[object, ...]
+
+
+class ConcurrentWriterError(RuntimeError):
+    """Another process committed with this writer's app id."""
+
+
+class LakeWriter:
+    """Idempotent appends for one (table, app id)."""
+
+    def __init__(
+        self,
+        lake: Lake,
+        table: str,
+        app_id: str,
+        resume_seq: int | None,
+        retries: int = 8,
+        backoff_s: float = 0.5,
+        compact_every: int = 0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.lake = lake
+        self.table_name = table
+        self.app_id = app_id
+        self.identity_cols = IDENTITY[table]
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.compact_every = compact_every
+        self._sleep = sleep
+        self._dt = lake.table(table)
+        committed = self._dt.transaction_version(app_id) or 0
+        resume = resume_seq or 0
+        if resume > committed:
+            raise ConcurrentWriterError(
+                f"recovery state says writer {app_id} reached commit {resume} but the table "
+                f"has only {committed}: the recovery directory belongs to another lake."
+            )
+        self._skip = self._committed_after(resume) if committed > resume else set()
+        self.seq = committed
+        if self._skip:
+            log.info("%s: %d rows committed after the snapshot will be skipped on replay", app_id, len(self._skip))
+
+    def _committed_after(self, seq: int) -> set[Identity]:
+        dataset = self._dt.to_pyarrow_dataset()
+        cols = list(self.identity_cols)
+        flt = (ds.field("writer") == self.app_id) & (ds.field("writer_seq") > seq)
+        rows = dataset.to_table(columns=cols, filter=flt)
+        return set(zip(*(rows.column(c).to_pylist() for c in cols), strict=True))
+
+    def _drop_replayed(self, rows: pa.Table) -> pa.Table:
+        if not self._skip or rows.num_rows == 0:
+            return rows
+        keys = zip(*(rows.column(c).to_pylist() for c in self.identity_cols), strict=True)
+        keep = []
+        for key in keys:
+            if key in self._skip:
+                self._skip.discard(key)
+                keep.append(False)
+            else:
+                keep.append(True)
+        return rows.filter(pa.array(keep))
+
+    def write(self, rows: pa.Table, before_commit: Callable[[pa.Table], None] | None = None) -> pa.Table:
+        """Commit rows not already committed; return the rows actually written.
+
+        ``before_commit`` sees exactly those rows first (the dead-letter topic is
+        published there, so a replay does not publish twice what was committed).
+        """
+        rows = self._drop_replayed(rows)
+        if rows.num_rows == 0:
+            return rows
+        if before_commit is not None:
+            before_commit(rows)
+        seq = self.seq + 1
+        n = rows.num_rows
+        rows = rows.set_column(rows.schema.get_field_index("writer"), "writer", pa.array([self.app_id] * n, pa.string()))
+        rows = rows.set_column(rows.schema.get_field_index("writer_seq"), "writer_seq", pa.array([seq] * n, pa.int64()))
+        props = CommitProperties(
+            app_transactions=[Transaction(self.app_id, seq)],
+            custom_metadata={"streamrag.writer": self.app_id, "streamrag.seq": str(seq)},
+        )
+        for attempt in range(self.retries + 1):
+            try:
+                self._dt.update_incremental()
+                landed = self._dt.transaction_version(self.app_id) or 0
+                if landed == seq:  # an earlier attempt committed before failing to answer
+                    break
+                if landed != self.seq:
+                    raise ConcurrentWriterError(
+                        f"writer {self.app_id} expected commit {self.seq} in {self.table_name} "
+                        f"but found {landed}: two jobs share one lake writer id."
+                    )
+                write_deltalake(self._dt, rows, mode="append", commit_properties=props)
+                break
+            except ConcurrentWriterError:
+                raise
+            except Exception as exc:
+                if attempt == self.retries:
+                    raise
+                delay = min(30.0, self.backoff_s * 2**attempt)
+                log.warning("%s: commit %d failed (%s); retrying in %.1fs", self.app_id, seq, exc, delay)
+                self._sleep(delay)
+        self.seq = seq
+        if self.compact_every and seq % self.compact_every == 0:
+            self.maintain()
+        return rows
+
+    def maintain(self) -> None:
+        """Compact small files and checkpoint; failures are logged, never fatal."""
+        try:
+            metrics = self._dt.optimize.compact()
+            self._dt.create_checkpoint()
+            log.info("%s: compacted %s", self.table_name, metrics)
+        except Exception as exc:  # noqa: BLE001 - maintenance is best effort
+            log.warning("%s: compaction failed (%s); will retry later", self.table_name, exc)
+

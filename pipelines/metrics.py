@@ -1,0 +1,23 @@
+"""Prometheus metrics of the streaming job (one registry per process)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+EVENTS = Counter("streamrag_ingest_events_total", "Kafka messages read, by outcome", ["outcome"])
+DEAD_LETTERS = Counter("streamrag_ingest_dead_letters_total", "Messages sent to the dead-letter topic and table")
+CHUNKS = Counter("streamrag_ingest_chunks_total", "Chunk versions, by what was done", ["action"])
+BATCH_SIZE = Histogram(
+    "streamrag_ingest_embed_batch_chunks",
+    "Chunks embedded per micro-batch",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+)
+COMMITS = Counter("streamrag_ingest_lake_commits_total", "Delta commits, by table", ["table"])
+ROWS = Counter("streamrag_ingest_lake_rows_total", "Rows committed, by table", ["table"])
+REPLAYED = Counter("streamrag_ingest_replayed_rows_skipped_total", "Replayed rows already in the lake")
+LAG = Histogram(
+    "streamrag_ingest_event_to_commit_seconds",
+    "Source event time to Delta commit",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 3600),
+)
+EMBED_SECONDS = Histogram("streamrag_ingest_embed_seconds", "Time embedding one micro-batch")

@@ -1,0 +1,143 @@
+"""Running the ingest dataflow: one process, or N processes as a Bytewax cluster.
+
+``--workers N`` runs N processes on this machine (not threads: the GIL). The parent
+supervises: a child that fails stops the others and the command exits non-zero; a
+parent that dies takes its children with it (PR_SET_PDEATHSIG), so a kill -9 of the
+job never leaves half a cluster behind. Restarting resumes from the recovery directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from bytewax._bytewax import cli_main
+from bytewax.recovery import RecoveryConfig, init_db_dir
+
+from pipelines.broker import free_port
+from pipelines.lake import Lake
+from pipelines.settings import IngestSettings
+
+log = logging.getLogger(__name__)
+
+_SETTINGS_ENV = "STREAMRAG_INGEST_SETTINGS_JSON"
+
+
+def prepare(settings: IngestSettings) -> IngestSettings:
+    """Create lake tables and the recovery directory; honour the lake's writer count."""
+    lake = Lake.at(settings.lake, settings.object_store())
+    recorded = lake.ensure_tables(settings.writers)
+    if recorded != settings.writers:
+        log.info("lake %s was created with %d writers; using that", lake.uri, recorded)
+        settings = settings.model_copy(update={"writers": recorded})
+    if settings.recovery_dir:
+        rdir = Path(settings.recovery_dir)
+        rdir.mkdir(parents=True, exist_ok=True)
+        if not any(rdir.glob("part-*.sqlite3")):
+            init_db_dir(rdir, settings.workers)
+    else:
+        log.warning("no --recovery-dir: every run re-reads the topics from the start "
+                    "(the lake stays exactly-once, but work is repeated)")
+    return settings
+
+
+def _recovery(settings: IngestSettings) -> RecoveryConfig | None:
+    return RecoveryConfig(Path(settings.recovery_dir)) if settings.recovery_dir else None
+
+
+def run_process(settings: IngestSettings, proc_id: int | None = None, addresses: list[str] | None = None) -> None:
+    """Run this process's share of the dataflow until it completes."""
+    from pipelines.flow import build_flow
+
+    if settings.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port + (proc_id or 0), addr="127.0.0.1")
+    cli_main(
+        build_flow(settings),
+        workers_per_process=1,
+        process_id=proc_id,
+        addresses=addresses,
+        epoch_interval=timedelta(seconds=settings.epoch_interval_s),
+        recovery_config=_recovery(settings),
+    )
+
+
+def run_ingest(settings: IngestSettings) -> int:
+    """Run the job (prepared first); return the exit status."""
+    settings = prepare(settings)
+    if settings.workers == 1:
+        run_process(settings)
+        return 0
+    return _run_cluster(settings)
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _run_cluster(settings: IngestSettings) -> int:
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(settings.workers)]
+    env = {**os.environ, _SETTINGS_ENV: settings.model_dump_json()}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "pipelines.runner", str(i), ";".join(addresses)],
+            env=env, preexec_fn=_die_with_parent,
+        )
+        for i in range(settings.workers)
+    ]
+
+    def forward(signum: int, _frame: object) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    status = 0
+    while any(c.poll() is None for c in children):
+        failed = [c for c in children if c.returncode not in (None, 0)]
+        if failed:
+            status = failed[0].returncode or 1
+            log.error("ingest process %d exited with %s; stopping the others", children.index(failed[0]), status)
+            for c in children:
+                if c.poll() is None:
+                    c.kill()
+            break
+        time.sleep(0.2)
+    for c in children:
+        c.wait()
+        if c.returncode not in (0, None) and status == 0:
+            status = c.returncode
+    return 0 if status == 0 else (status if status > 0 else 1)
+
+
+def _child_main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [proc %(process)d] %(name)s: %(message)s")
+    proc_id, addresses = int(sys.argv[1]), sys.argv[2].split(";")
+    settings = IngestSettings.model_validate(json.loads(os.environ[_SETTINGS_ENV]))
+    status = 0
+    try:
+        run_process(settings, proc_id, addresses)
+    except KeyboardInterrupt:
+        status = 130
+    except Exception:
+        log.exception("ingest process %d failed", proc_id)
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # deltalake's runtime threads can abort interpreter teardown (exit 134): leave directly.
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    _child_main()

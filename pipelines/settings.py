@@ -1,0 +1,60 @@
+"""Settings of the streaming job: one object, validated at start-up, passed down."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pipelines.storage import ObjectStoreSettings
+
+
+class IngestSettings(BaseSettings):
+    """``streamrag ingest`` options; also read from ``STREAMRAG_INGEST_*`` variables so
+    ``python -m bytewax.run "pipelines.flow:build_flow()"`` works without the CLI."""
+
+    model_config = SettingsConfigDict(env_prefix="STREAMRAG_INGEST_", frozen=True)
+
+    job_name: str = Field("ingest", pattern=r"^[A-Za-z0-9_.-]+$")
+    bootstrap: str = "127.0.0.1:9092"
+    topics: list[str] = Field(default_factory=list)
+    lake: str = "./lake"
+    mapping_file: str | None = None
+    model: str | None = None
+    device: str = "auto"
+    workers: int = Field(1, ge=1, le=256)
+    writers: int = Field(2, ge=1, le=256)
+    recovery_dir: str | None = None
+    epoch_interval_s: float = Field(2.0, gt=0)
+    until_idle_s: float | None = Field(None, gt=0)
+    batch_max_events: int = Field(64, ge=1)
+    batch_timeout_ms: int = Field(200, ge=1)
+    chunk_max_tokens: int = Field(200, ge=16)
+    chunk_overlap_tokens: int = Field(24, ge=0)
+    embed_token_budget: int = Field(8192, ge=64)
+    vector_cache_size: int = Field(50_000, ge=0)
+    dlq_suffix: str = ".dlq"
+    compact_every: int = Field(500, ge=0)
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    kafka_config: dict[str, str] = Field(default_factory=dict)
+    # Object store (the CLI fills these from the standard AWS_* variables).
+    s3_endpoint_url: str | None = None
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = None
+    s3_session_token: str | None = None
+    s3_region: str | None = None
+
+    @field_validator("topics")
+    @classmethod
+    def _topics_given(cls, topics: list[str]) -> list[str]:
+        if not topics:
+            raise ValueError("at least one topic is required (--topic T).")
+        return topics
+
+    def object_store(self) -> ObjectStoreSettings:
+        return ObjectStoreSettings(
+            self.s3_endpoint_url,
+            self.s3_access_key_id,
+            self.s3_secret_access_key,
+            self.s3_session_token,
+            self.s3_region,
+        )

@@ -1,0 +1,44 @@
+"""The ``streamrag`` command line (the contract in ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pipelines.commands import add_commands as add_pipeline_commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamrag", description="Streaming RAG pipeline with lineage.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_pipeline_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        status = args.func(args)
+    except KeyboardInterrupt:
+        status = 130
+    except Exception as exc:  # noqa: BLE001 - the CLI prints a sentence, not a trace
+        logging.getLogger("streamrag").debug("failed", exc_info=True)
+        print(f"error: {exc}", file=sys.stderr)
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # deltalake's runtime threads can abort interpreter teardown (exit 134) after the
+    # work is done; leave with the real status instead.
+    os._exit(int(status or 0))
+
+
+if __name__ == "__main__":
+    main()

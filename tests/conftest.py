@@ -1,0 +1,112 @@
+"""Shared fixtures: fake and real embedders, a real Tansu broker, a real S3 server (moto)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from serving.embedder import Embedder, FakeEmbedder
+
+_STATUS: dict[str, int] = {}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _STATUS["status"] = int(exitstatus)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # deltalake's background runtime threads sometimes abort interpreter teardown
+    # ("terminate called without an active exception", exit 134) after every test has
+    # run and been reported. Leave with pytest's own status instead.
+    if "status" in _STATUS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_STATUS["status"])
+
+
+@pytest.fixture
+def fake_embedder() -> FakeEmbedder:
+    return FakeEmbedder(dim=32)
+
+
+@pytest.fixture(scope="session")
+def real_embedder() -> Embedder:
+    from serving.embedder import SentenceTransformerEmbedder
+
+    return SentenceTransformerEmbedder(device="cpu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nothing listening on {port} after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def broker() -> Iterator[str]:
+    """A real Kafka-protocol broker (Tansu, memory storage) on loopback."""
+    from pipelines.broker import start_broker
+
+    port = free_port()
+    proc = start_broker(port)
+    yield f"127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint: str
+    env: dict[str, str]
+
+    def create_bucket(self, name: str) -> str:
+        import boto3
+
+        client = boto3.client(
+            "s3", endpoint_url=self.endpoint, aws_access_key_id="test",
+            aws_secret_access_key="test", region_name="us-east-1",
+        )
+        client.create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """moto in server mode on loopback: reached over HTTP exactly as real S3 would be."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    exe = Path(sys.executable).with_name("moto_server")
+    with log.open("wb") as fh:
+        proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=fh, stderr=fh)
+    wait_port(port, proc)
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_REGION": "us-east-1",
+    }
+    yield S3Server(endpoint, env)
+    proc.terminate()
+    proc.wait(10)

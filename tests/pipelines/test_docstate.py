@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipelines.chunking import Chunker
+from pipelines.docstate import apply_change
+from pipelines.records import ChangeEvent, KafkaCoordinates
+from serving.embedder import FakeEmbedder
+from tests.corpus import paragraph
+
+
+@pytest.fixture
+def chunker() -> Chunker:
+    return Chunker(FakeEmbedder().count_tokens, max_tokens=80, overlap_tokens=16)
+
+
+def event(pos: int | None, text: str = "", op: str = "upsert", acl: tuple[str, ...] = (), tombstone: bool = False,
+          title: str = "T") -> ChangeEvent:
+    return ChangeEvent("public.docs", "1", op, None if pos is None else f"pg:{pos:020d}",  # type: ignore[arg-type]
+                       KafkaCoordinates("t", 0, pos or 0), 1000, title, text, acl, tombstone=tombstone)
+
+
+def doc(seed: int, n: int = 20) -> list[str]:
+    rng = random.Random(seed)
+    return [paragraph(rng) for _ in range(n)]
+
+
+def test_insert_then_local_edit_reembeds_only_changed_chunks(chunker: Chunker) -> None:
+    paras = doc(1)
+    state, update, outcome = apply_change(None, event(10, "\n\n".join(paras)), chunker)
+    assert outcome == "applied" and update is not None and state is not None
+    first = {v.chunk_id for v in update.versions}
+    assert all(v.op == "upsert" for v in update.versions) and len(first) == len(state.chunks)
+
+    paras[7] = paragraph(random.Random(42))
+    state2, update2, _ = apply_change(state, event(20, "\n\n".join(paras)), chunker)
+    assert update2 is not None and state2 is not None
+    upserts = [v for v in update2.versions if v.op == "upsert"]
+    deletes = [v for v in update2.versions if v.op == "delete"]
+    assert 1 <= len(upserts) <= 3 and len(upserts) < len(state2.chunks) / 2
+    assert {v.chunk_id for v in deletes} <= first
+    assert set(state2.chunks) == (first - {v.chunk_id for v in deletes}) | {v.chunk_id for v in upserts}
+
+
+def test_stale_and_duplicate_changes_are_ignored(chunker: Chunker) -> None:
+    state, _, _ = apply_change(None, event(10, "new text"), chunker)
+    assert apply_change(state, event(5, "old text"), chunker)[1:] == (None, "stale")
+    assert apply_change(state, event(10, "new text"), chunker)[1:] == (None, "stale")
+
+
+def test_same_text_again_writes_nothing(chunker: Chunker) -> None:
+    state, _, _ = apply_change(None, event(10, "Some text."), chunker)
+    new_state, update, outcome = apply_change(state, event(11, "Some text."), chunker)
+    assert (update, outcome) == (None, "unchanged") and new_state is not None and new_state.position.endswith("11")
+
+
+def test_acl_change_rewrites_every_chunk_without_deletes(chunker: Chunker) -> None:
+    state, _, _ = apply_change(None, event(10, "\n\n".join(doc(2))), chunker)
+    _, update, _ = apply_change(state, event(11, "\n\n".join(doc(2)), acl=("eng",)), chunker)
+    assert update is not None and {v.op for v in update.versions} == {"upsert"}
+    assert len(update.versions) == len(state.chunks) and all(v.acl == ("eng",) for v in update.versions)
+
+
+def test_delete_then_tombstone_then_late_update(chunker: Chunker) -> None:
+    state, _, _ = apply_change(None, event(10, "\n\n".join(doc(3))), chunker)
+    deleted, update, _ = apply_change(state, event(20, op="delete"), chunker)
+    assert update is not None and {v.op for v in update.versions} == {"delete"}
+    assert {v.chunk_id for v in update.versions} == set(state.chunks)
+    assert apply_change(deleted, event(None, tombstone=True, op="delete"), chunker)[1:] == (None, "tombstone")
+    assert apply_change(deleted, event(15, "late"), chunker)[1:] == (None, "stale")
+    # Re-inserted after the delete: everything is new again.
+    _, again, _ = apply_change(deleted, event(30, "back"), chunker)
+    assert again is not None and [v.op for v in again.versions] == ["upsert"]
+
+
+def test_tombstone_alone_deletes_a_live_document(chunker: Chunker) -> None:
+    state, _, _ = apply_change(None, event(10, "text"), chunker)
+    new_state, update, _ = apply_change(state, event(None, tombstone=True, op="delete"), chunker)
+    assert update is not None and [v.op for v in update.versions] == ["delete"]
+    assert new_state is not None and new_state.position > state.position
+    assert update.versions[0].position > state.position
+
+
+def test_delete_of_unknown_document_writes_nothing_but_remembers_position(chunker: Chunker) -> None:
+    state, update, _ = apply_change(None, event(10, op="delete"), chunker)
+    assert update is None and state is not None and not state.live
+    assert apply_change(state, event(9, "older insert"), chunker)[2] == "stale"
+
+
+def test_repeated_paragraphs_get_distinct_ids(chunker: Chunker) -> None:
+    same = "A repeated heading paragraph that stands alone."
+    text = "\n\n".join([same, *doc(4, 6), same, *doc(5, 6), same])
+    state, update, _ = apply_change(None, event(10, text), chunker)
+    assert update is not None and len({v.chunk_id for v in update.versions}) == len(update.versions)
