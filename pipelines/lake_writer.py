@@ -113,7 +113,7 @@ class LakeWriter:
             try:
                 self._dt.update_incremental()
                 landed = self._dt.transaction_version(self.app_id) or 0
-                if landed == seq:  # an earlier attempt committed before failing to answer
+                if attempt > 0 and landed == seq:  # our earlier attempt committed, then failed to answer
                     break
                 if landed != self.seq:
                     raise ConcurrentWriterError(

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from pipelines.lake import CHUNKS, DEAD_LETTERS_SCHEMA, DEAD_LETTERS, Lake
+from pipelines.lake_writer import ConcurrentWriterError, LakeWriter
+
+
+def letters(*offsets: int) -> pa.Table:
+    n = len(offsets)
+    return pa.table(
+        {"topic": ["t"] * n, "partition": [0] * n, "offset": list(offsets), "key": [None] * n,
+         "value": [b"x"] * n, "error": ["bad"] * n, "headers": ["{}"] * n, "ingest_time": [None] * n,
+         "writer": [None] * n, "writer_seq": [None] * n},
+        schema=DEAD_LETTERS_SCHEMA,
+    )
+
+
+@pytest.fixture
+def lake(tmp_path: Path) -> Lake:
+    lake = Lake.at(str(tmp_path / "lake"))
+    lake.ensure_tables(2)
+    return lake
+
+
+def offsets(lake: Lake) -> list[int]:
+    return sorted(lake.read(DEAD_LETTERS).column("offset").to_pylist())
+
+
+def test_commits_are_numbered_and_tagged(lake: Lake) -> None:
+    w = LakeWriter(lake, DEAD_LETTERS, "job:dl:000", None)
+    w.write(letters(1, 2))
+    w.write(letters(3))
+    assert w.seq == 2 and lake.table(DEAD_LETTERS).transaction_version("job:dl:000") == 2
+    rows = lake.read(DEAD_LETTERS).to_pylist()
+    assert {(r["offset"], r["writer"], r["writer_seq"]) for r in rows} == {
+        (1, "job:dl:000", 1), (2, "job:dl:000", 1), (3, "job:dl:000", 2)}
+
+
+def test_rows_committed_after_the_snapshot_are_skipped_on_replay(lake: Lake) -> None:
+    w = LakeWriter(lake, DEAD_LETTERS, "a", None)
+    w.write(letters(1))
+    snapshot = w.seq  # the recovery snapshot was taken here
+    w.write(letters(2, 3))
+    w.write(letters(4))
+    # crash; resume from the snapshot: the replay re-sends 2, 3, 4 and then new 5
+    resumed = LakeWriter(lake, DEAD_LETTERS, "a", snapshot)
+    assert resumed.write(letters(2, 3)).num_rows == 0
+    assert resumed.write(letters(4, 5)).column("offset").to_pylist() == [5]
+    assert offsets(lake) == [1, 2, 3, 4, 5]
+
+
+def test_without_resume_state_everything_the_writer_wrote_is_skipped(lake: Lake) -> None:
+    LakeWriter(lake, DEAD_LETTERS, "a", None).write(letters(1, 2))
+    again = LakeWriter(lake, DEAD_LETTERS, "a", None)
+    assert again.write(letters(1, 2, 3)).num_rows == 1
+    assert offsets(lake) == [1, 2, 3]
+
+
+def test_other_writers_rows_are_not_skipped(lake: Lake) -> None:
+    LakeWriter(lake, DEAD_LETTERS, "a", None).write(letters(1))
+    assert LakeWriter(lake, DEAD_LETTERS, "b", None).write(letters(1)).num_rows == 1
+
+
+def test_two_live_writers_with_one_app_id_are_refused(lake: Lake) -> None:
+    first = LakeWriter(lake, DEAD_LETTERS, "a", None)
+    second = LakeWriter(lake, DEAD_LETTERS, "a", None)
+    first.write(letters(1))
+    with pytest.raises(ConcurrentWriterError, match="two jobs share one lake writer id"):
+        second.write(letters(2))
+
+
+def test_recovery_state_from_another_lake_is_refused(lake: Lake) -> None:
+    with pytest.raises(ConcurrentWriterError, match="belongs to another lake"):
+        LakeWriter(lake, CHUNKS, "a", 5)
+
+
+def test_a_failed_commit_is_retried_and_an_ambiguous_one_not_duplicated(lake: Lake, monkeypatch) -> None:
+    import pipelines.lake_writer as mod
+
+    real = mod.write_deltalake
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError("connection reset")  # failed before committing
+        if calls["n"] == 2:
+            real(*args, **kwargs)
+            raise OSError("timeout reading the response")  # committed, but we were not told
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "write_deltalake", flaky)
+    w = LakeWriter(lake, DEAD_LETTERS, "a", None, sleep=lambda s: None)
+    w.write(letters(1, 2))
+    assert offsets(lake) == [1, 2] and w.seq == 1 and calls["n"] == 2
+
+
+def test_compaction_keeps_rows_and_writer_tags(lake: Lake) -> None:
+    w = LakeWriter(lake, DEAD_LETTERS, "a", None, compact_every=5)
+    for i in range(10):
+        w.write(letters(i))
+    assert offsets(lake) == list(range(10))
+    files = lake.table(DEAD_LETTERS).file_uris()
+    assert len(files) < 10
+    resumed = LakeWriter(lake, DEAD_LETTERS, "a", 7)
+    assert resumed.write(letters(8, 9, 10)).column("offset").to_pylist() == [10]
