@@ -7,8 +7,10 @@ import logging
 import os
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -38,22 +40,35 @@ def free_port(host: str = "127.0.0.1") -> int:
 def start_broker(port: int = 9092, host: str = "127.0.0.1", storage: str = "memory://tansu/",
                  timeout_s: float = 15.0) -> subprocess.Popen[bytes]:
     """Start Tansu on host:port; return once it accepts connections."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise BrokerError(f"{host}:{port} is already in use ({exc.strerror}); pick another --port.") from exc
     url = f"tcp://{host}:{port}"
     env = {k: v for k, v in os.environ.items()
            if k not in ("LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE")}
-    proc = subprocess.Popen(
-        [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
-         "--storage-engine", storage, "--silent"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-    )
+    with tempfile.TemporaryFile() as errors:
+        proc = subprocess.Popen(
+            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", storage, "--silent"],
+            env=env, stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True,
+        )
+        _wait_listening(proc, host, port, timeout_s, errors)
+    return proc
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], host: str, port: int, timeout_s: float,
+                    errors: IO[bytes]) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            errors.seek(0)
+            err = errors.read().decode(errors="replace")
             raise BrokerError(f"Tansu exited with {proc.returncode} on {host}:{port}: {err.strip()[-500:]}")
         try:
             with socket.create_connection((host, port), timeout=0.2):
-                return proc
+                return
         except OSError:
             time.sleep(0.05)
     proc.kill()

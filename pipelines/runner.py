@@ -22,7 +22,8 @@ from pathlib import Path
 from bytewax._bytewax import cli_main
 from bytewax.recovery import RecoveryConfig, init_db_dir
 
-from pipelines.broker import free_port
+from pipelines.broker import ensure_topics, free_port
+from pipelines.kafka_io import KafkaIOError
 from pipelines.lake import Lake
 from pipelines.settings import IngestSettings
 
@@ -47,6 +48,19 @@ def prepare(settings: IngestSettings) -> IngestSettings:
         log.warning("no --recovery-dir: every run re-reads the topics from the start "
                     "(the lake stays exactly-once, but work is repeated)")
     return settings
+
+
+def ensure_dead_letter_topics(settings: IngestSettings) -> None:
+    """Create ``<topic><suffix>`` for each input topic (as many partitions as the input)."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": settings.bootstrap, **settings.kafka_config})
+    topics = admin.list_topics(timeout=15).topics
+    for topic in settings.topics:
+        if topic not in topics:
+            raise KafkaIOError(f"topic {topic!r} does not exist on {settings.bootstrap}; produce to it or create it first.")
+        partitions = len(topics[topic].partitions or {}) or 1
+        ensure_topics(settings.bootstrap, [topic + settings.dlq_suffix], partitions=partitions)
 
 
 def _recovery(settings: IngestSettings) -> RecoveryConfig | None:
@@ -74,6 +88,7 @@ def run_process(settings: IngestSettings, proc_id: int | None = None, addresses:
 def run_ingest(settings: IngestSettings) -> int:
     """Run the job (prepared first); return the exit status."""
     settings = prepare(settings)
+    ensure_dead_letter_topics(settings)
     if settings.workers == 1:
         run_process(settings)
         return 0

@@ -1,0 +1,80 @@
+"""Running the real CLI against the real broker, as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from confluent_kafka import Consumer, TopicPartition
+
+from pipelines.broker import ensure_topics
+from tests.corpus import Corpus
+
+CLI = [sys.executable, "-m", "retrieval.cli"]
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def produce(bootstrap: str, topic: str, corpus: Corpus, path: Path, partitions: int = 2) -> None:
+    ensure_topics(bootstrap, [topic], partitions=partitions)
+    out = cli("produce", "--bootstrap", bootstrap, "--topic", topic, str(corpus.write(path)))
+    assert out.returncode == 0, out.stderr
+    assert f"produced {len(corpus.lines)} messages" in out.stdout
+
+
+def ingest_args(bootstrap: str, topic: str, lake: str, recovery: Path | None, workers: int = 1,
+                idle: float = 6) -> list[str]:
+    args = ["ingest", "--bootstrap", bootstrap, "--topic", topic, "--lake", lake, "--workers", str(workers),
+            "--until-idle", str(idle), "--batch-max-events", "8"]
+    if recovery is not None:
+        args += ["--recovery-dir", str(recovery)]
+    return args
+
+
+def start(args: list[str], env: dict[str, str] | None, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as fh:
+        return subprocess.Popen([*CLI, *args], env={**os.environ, **(env or {})}, stdout=fh, stderr=fh,
+                                start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+
+
+def count_dlq(bootstrap: str, topic: str, idle: float = 3.0, timeout: float = 30) -> list[dict[str, str]]:
+    """Headers of the messages on a topic, read until nothing new arrives for ``idle`` s.
+
+    (Tansu's watermarks and partition EOFs are per batch, not per record: don't trust them.)
+    """
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "t", "enable.auto.commit": False})
+    meta = consumer.list_topics(topic, timeout=10).topics[topic]
+    consumer.assign([TopicPartition(topic, p, 0) for p in meta.partitions])
+    out = []
+    last = time.monotonic()
+    deadline = last + timeout
+    while time.monotonic() - last < idle and time.monotonic() < deadline:
+        msg = consumer.poll(0.2)
+        if msg is None or msg.error():
+            continue
+        last = time.monotonic()
+        out.append({k: v.decode() for k, v in (msg.headers() or [])})
+    consumer.close()
+    return out
+
+
+def delta_commits(lake_dir: Path) -> int:
+    log = lake_dir / "chunks" / "_delta_log"
+    return len(list(log.glob("*.json"))) if log.is_dir() else 0
+
+
+def read_json(path: Path) -> object:
+    return json.loads(path.read_text())
