@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 log = logging.getLogger(__name__)
 
@@ -37,29 +37,43 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def start_broker(port: int = 9092, host: str = "127.0.0.1", storage: str = "memory://tansu/",
-                 timeout_s: float = 15.0) -> subprocess.Popen[bytes]:
+def start_broker(
+    port: int = 9092, host: str = "127.0.0.1", storage: str = "memory://tansu/", timeout_s: float = 15.0
+) -> subprocess.Popen[bytes]:
     """Start Tansu on host:port; return once it accepts connections."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:
             raise BrokerError(f"{host}:{port} is already in use ({exc.strerror}); pick another --port.") from exc
     url = f"tcp://{host}:{port}"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE")
+    }
     with tempfile.TemporaryFile() as errors:
         proc = subprocess.Popen(
-            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", storage, "--silent"],
-            env=env, stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True,
+            [
+                str(tansu_binary()),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                storage,
+                "--silent",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=errors,
+            start_new_session=True,
         )
         _wait_listening(proc, host, port, timeout_s, errors)
     return proc
 
 
-def _wait_listening(proc: subprocess.Popen[bytes], host: str, port: int, timeout_s: float,
-                    errors: IO[bytes]) -> None:
+def _wait_listening(proc: subprocess.Popen[bytes], host: str, port: int, timeout_s: float, errors: IO[bytes]) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

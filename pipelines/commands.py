@@ -35,8 +35,13 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--lake", required=True, metavar="URI", help="path, file:// or s3://bucket/prefix")
     p.add_argument("--recovery-dir", metavar="DIR", help="local directory for resume state")
     p.add_argument("--workers", type=int, default=1, help="processes on this machine (default 1)")
-    p.add_argument("--until-idle", type=float, metavar="SECONDS", dest="until_idle_s",
-                   help="exit 0 after this many seconds without new messages")
+    p.add_argument(
+        "--until-idle",
+        type=float,
+        metavar="SECONDS",
+        dest="until_idle_s",
+        help="exit 0 after this many seconds without new messages",
+    )
     p.add_argument("--mapping", dest="mapping_file", metavar="FILE", help="table → document mapping (YAML/JSON)")
     p.add_argument("--model", help="embedding model directory (default: bundled all-MiniLM-L6-v2)")
     p.add_argument("--device", default="auto", help="auto (CUDA fp16 when present), cpu or cuda")

@@ -49,9 +49,7 @@ def decode(
         return DeadLetter(kafka, key, value, f"unexpected {type(exc).__name__}: {exc}", headers)
 
 
-def _decode(
-    key: bytes | None, value: bytes | None, kafka: KafkaCoordinates, mappings: MappingConfig
-) -> ChangeEvent:
+def _decode(key: bytes | None, value: bytes | None, kafka: KafkaCoordinates, mappings: MappingConfig) -> ChangeEvent:
     key_obj = _parse_key(key)
     if value is None:
         return _tombstone(key_obj, kafka)
@@ -123,9 +121,7 @@ def _parse_key(key: bytes | None) -> dict[str, Any] | None:
     return obj
 
 
-def _primary_key(
-    key_obj: Mapping[str, Any] | None, row: Mapping[str, Any] | None, id_columns: tuple[str, ...]
-) -> str:
+def _primary_key(key_obj: Mapping[str, Any] | None, row: Mapping[str, Any] | None, id_columns: tuple[str, ...]) -> str:
     if key_obj is not None:
         return key_string(key_obj)
     if row is None:

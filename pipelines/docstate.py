@@ -66,8 +66,17 @@ def apply_change(
     return new_state, DocUpdate(event.doc_id, event.kafka, event.event_time_ms, tuple(versions)), "applied"
 
 
-def _version(event: ChangeEvent, position: str, cid: str, op: str, index: int, text: str, chash: str,
-             acl: tuple[str, ...], tokens: int = 0) -> ChunkVersion:
+def _version(
+    event: ChangeEvent,
+    position: str,
+    cid: str,
+    op: str,
+    index: int,
+    text: str,
+    chash: str,
+    acl: tuple[str, ...],
+    tokens: int = 0,
+) -> ChunkVersion:
     return ChunkVersion(
         chunk_id=cid,
         doc_id=event.doc_id,
@@ -110,8 +119,17 @@ def _upsert(
         new_chunks[cid] = (chunk.index, chunk.content_hash)
         if cid not in old or meta_changed:
             versions.append(
-                _version(event, position, cid, "upsert", chunk.index, chunk.text, chunk.content_hash,
-                         event.acl, chunk.token_count)
+                _version(
+                    event,
+                    position,
+                    cid,
+                    "upsert",
+                    chunk.index,
+                    chunk.text,
+                    chunk.content_hash,
+                    event.acl,
+                    chunk.token_count,
+                )
             )
     for cid, (index, chash) in old.items():
         if cid not in new_chunks:

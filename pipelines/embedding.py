@@ -124,9 +124,7 @@ def dead_letter_rows(letters: Sequence[DeadLetter]) -> pa.Table:
             "key": [d.key for d in letters],
             "value": [d.value for d in letters],
             "error": [d.error for d in letters],
-            "headers": [
-                json.dumps({k: v.decode("utf-8", "replace") for k, v in d.headers}) for d in letters
-            ],
+            "headers": [json.dumps({k: v.decode("utf-8", "replace") for k, v in d.headers}) for d in letters],
             "ingest_time": [now] * len(letters),
             "writer": [None] * len(letters),
             "writer_seq": [None] * len(letters),

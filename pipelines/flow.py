@@ -11,10 +11,12 @@ import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from functools import cached_property
+from typing import TypeGuard, cast
 
 import bytewax.operators as op
 import pyarrow as pa
-from bytewax.dataflow import Dataflow
+from bytewax.connectors.kafka import KafkaSourceMessage
+from bytewax.dataflow import Dataflow, Stream
 from bytewax.inputs import Source
 
 from pipelines import metrics
@@ -45,8 +47,9 @@ class Runtime:
 
     @cached_property
     def embedder(self) -> Embedder:
-        return load_embedder(self.settings.model, device=self.settings.device,
-                             token_budget=self.settings.embed_token_budget)
+        return load_embedder(
+            self.settings.model, device=self.settings.device, token_budget=self.settings.embed_token_budget
+        )
 
     @cached_property
     def chunker(self) -> Chunker:
@@ -62,7 +65,8 @@ class Runtime:
 
     def decode(self, item: SourceItem) -> ChangeEvent | DeadLetter | None:
         coords = kafka_coordinates(item)
-        if coords is None:  # a consumer error, not a message: librdkafka retries it
+        if coords is None or not isinstance(item, KafkaSourceMessage):
+            # A consumer error, not a message: librdkafka retries it by itself.
             log.warning("Kafka consumer error: %s", getattr(item, "err", item))
             metrics.EVENTS.labels("consumer-error").inc()
             return None
@@ -86,6 +90,10 @@ class Runtime:
         return f"{zlib.crc32(name.encode()) % self.settings.writers:03d}"
 
 
+def is_change(item: ChangeEvent | DeadLetter) -> TypeGuard[ChangeEvent]:
+    return isinstance(item, ChangeEvent)
+
+
 def build_flow(
     settings: IngestSettings | None = None,
     source: Source[SourceItem] | None = None,
@@ -102,28 +110,35 @@ def build_flow(
     batch_timeout = timedelta(milliseconds=settings.batch_timeout_ms)
     if source is None:
         source = IdleStoppingKafkaSource(
-            brokers=[settings.bootstrap], topics=settings.topics, idle_s=settings.until_idle_s,
+            brokers=[settings.bootstrap],
+            topics=settings.topics,
+            idle_s=settings.until_idle_s,
             add_config=settings.kafka_config,
         )
     if publish_dead_letters is None:
         publish_dead_letters = DeadLetterProducer(
-            settings.bootstrap, settings.dlq_suffix, settings.kafka_config).publish
+            settings.bootstrap, settings.dlq_suffix, settings.kafka_config
+        ).publish
 
     flow = Dataflow("streamrag-ingest")
     msgs = op.input("kafka-in", flow, source)  # KafkaSourceMessage | KafkaError
-    decoded = op.filter_map("decode", msgs, rt.decode)  # ChangeEvent | DeadLetter
-    split = op.branch("split-dead-letters", decoded, lambda x: isinstance(x, ChangeEvent))
+    decoded: Stream[ChangeEvent | DeadLetter] = op.filter_map("decode", msgs, rt.decode)  # ChangeEvent | DeadLetter
+    split = op.branch("split-dead-letters", decoded, is_change)
     by_doc = op.key_on("key-by-doc", split.trues, lambda e: e.doc_id)  # (doc_id, ChangeEvent)
     updates = op.stateful_flat_map("apply-to-doc", by_doc, rt.apply)  # (doc_id, DocUpdate)
-    by_writer = op.key_on("key-by-writer", op.key_rm("drop-doc-key", updates),
-                          lambda u: rt.writer_key(u.doc_id))  # (writer, DocUpdate)
+    by_writer = op.key_on(
+        "key-by-writer", op.key_rm("drop-doc-key", updates), lambda u: rt.writer_key(u.doc_id)
+    )  # (writer, DocUpdate)
     batches = op.collect("micro-batch", by_writer, batch_timeout, settings.batch_max_events)  # (writer, [DocUpdate])
     rows = op.map_value("embed", batches, rt.batch_embedder.rows)  # (writer, pa.Table)
     op.output("lake-chunks", rows, LakeSink(rt.lake, CHUNKS, settings))
 
-    letters = op.key_on("key-dead-letters", split.falses,
-                        lambda d: rt.writer_key(f"{d.kafka.topic}/{d.kafka.partition}"))  # (writer, DeadLetter)
+    dead = cast(Stream[DeadLetter], split.falses)  # a TypeGuard narrows only the trues
+    letters = op.key_on(
+        "key-dead-letters", dead, lambda d: rt.writer_key(f"{d.kafka.topic}/{d.kafka.partition}")
+    )  # (writer, DeadLetter)
     letter_batches = op.collect("dead-letter-batch", letters, batch_timeout, 256)  # (writer, [DeadLetter])
     letter_rows = op.map_value("dead-letter-rows", letter_batches, dead_letter_rows)  # (writer, pa.Table)
-    op.output("lake-dead-letters", letter_rows, LakeSink(rt.lake, DEAD_LETTERS, settings, before_commit=publish_dead_letters))
+    dl_sink = LakeSink(rt.lake, DEAD_LETTERS, settings, before_commit=publish_dead_letters)
+    op.output("lake-dead-letters", letter_rows, dl_sink)
     return flow

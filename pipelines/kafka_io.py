@@ -72,13 +72,19 @@ class _IdlePartition(StatefulSourcePartition[SourceItem, Any]):
 class IdleStoppingKafkaSource(KafkaSource):
     """Bytewax's Kafka input, with ``idle_s`` (``--until-idle``) and no busy polling."""
 
-    def __init__(self, brokers: Iterable[str], topics: Iterable[str], idle_s: float | None = None,
-                 add_config: dict[str, str] | None = None) -> None:
-        super().__init__(list(brokers), list(topics), tail=True, add_config=add_config,
-                         batch_size=500, raise_on_errors=False)
+    def __init__(
+        self,
+        brokers: Iterable[str],
+        topics: Iterable[str],
+        idle_s: float | None = None,
+        add_config: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(
+            list(brokers), list(topics), tail=True, add_config=add_config, batch_size=500, raise_on_errors=False
+        )
         self._idle_s = idle_s
 
-    def build_part(self, step_id: str, for_part: str, resume_state: Any) -> _IdlePartition:
+    def build_part(self, step_id: str, for_part: str, resume_state: Any) -> _IdlePartition:  # type: ignore[override]
         return _IdlePartition(super().build_part(step_id, for_part, resume_state), self._idle_s)
 
 
@@ -89,8 +95,9 @@ class DeadLetterProducer:
     so this producer checks each delivery report and raises if any failed.
     """
 
-    def __init__(self, bootstrap: str, suffix: str = ".dlq", config: dict[str, str] | None = None,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, bootstrap: str, suffix: str = ".dlq", config: dict[str, str] | None = None, timeout_s: float = 30.0
+    ) -> None:
         self._config = {"bootstrap.servers": bootstrap, **PRODUCER_DEFAULTS, **(config or {})}
         self._suffix = suffix
         self._timeout_s = timeout_s
@@ -115,8 +122,13 @@ class DeadLetterProducer:
                 ("streamrag.source.partition", str(row["partition"]).encode()),
                 ("streamrag.source.offset", str(row["offset"]).encode()),
             ]
-            self._producer.produce(row["topic"] + self._suffix, value=row["value"], key=row["key"],
-                                   headers=headers, on_delivery=on_delivery)
+            self._producer.produce(
+                row["topic"] + self._suffix,
+                value=row["value"],
+                key=row["key"],
+                headers=headers,
+                on_delivery=on_delivery,
+            )
             self._producer.poll(0)
         remaining = self._producer.flush(self._timeout_s)
         if remaining or errors:

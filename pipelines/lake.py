@@ -8,7 +8,7 @@ is a delete is gone. :func:`current_chunks` computes that state at any table ver
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -86,7 +86,7 @@ class Lake:
     """A lake URI and the settings to reach it."""
 
     uri: str
-    store: ObjectStoreSettings = ObjectStoreSettings()
+    store: ObjectStoreSettings = field(default_factory=ObjectStoreSettings)
 
     @classmethod
     def at(cls, uri: str, store: ObjectStoreSettings | None = None) -> Lake:
@@ -117,9 +117,7 @@ class Lake:
         try:
             return DeltaTable(self.table_uri(name), version=version, storage_options=self.options)
         except TableNotFoundError as exc:
-            raise LakeError(
-                f"no Delta table {name!r} under {self.uri}; run `streamrag ingest` first."
-            ) from exc
+            raise LakeError(f"no Delta table {name!r} under {self.uri}; run `streamrag ingest` first.") from exc
 
     def read(self, name: str, version: int | None = None, columns: list[str] | None = None) -> pa.Table:
         return self.table(name, version).to_pyarrow_table(columns=columns)
@@ -156,4 +154,4 @@ def embeddings(table: pa.Table, dim: int | None = None) -> np.ndarray:
     flat = col.flatten().to_numpy().astype(np.float32, copy=False)
     if table.num_rows == 0:
         return np.zeros((0, dim or 0), dtype=np.float32)
-    return flat.reshape(table.num_rows, -1)
+    return np.asarray(flat.reshape(table.num_rows, -1), dtype=np.float32)

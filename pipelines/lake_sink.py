@@ -53,8 +53,9 @@ class LakeSink(FixedPartitionedSink[pa.Table, int]):
     """Items are ``(writer key "000".."NNN", rows)``; partition i commits as app id
     ``<job>:<table>:<i>``."""
 
-    def __init__(self, lake: Lake, table: str, settings: IngestSettings,
-                 before_commit: Callable[[pa.Table], None] | None = None) -> None:
+    def __init__(
+        self, lake: Lake, table: str, settings: IngestSettings, before_commit: Callable[[pa.Table], None] | None = None
+    ) -> None:
         self._lake = lake
         self._table = table
         self._writers = settings.writers

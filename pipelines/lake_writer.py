@@ -103,8 +103,9 @@ class LakeWriter:
             before_commit(rows)
         seq = self.seq + 1
         n = rows.num_rows
-        rows = rows.set_column(rows.schema.get_field_index("writer"), "writer", pa.array([self.app_id] * n, pa.string()))
-        rows = rows.set_column(rows.schema.get_field_index("writer_seq"), "writer_seq", pa.array([seq] * n, pa.int64()))
+        tags = {"writer": pa.array([self.app_id] * n, pa.string()), "writer_seq": pa.array([seq] * n, pa.int64())}
+        for name, values in tags.items():
+            rows = rows.set_column(rows.schema.get_field_index(name), name, values)
         props = CommitProperties(
             app_transactions=[Transaction(self.app_id, seq)],
             custom_metadata={"streamrag.writer": self.app_id, "streamrag.seq": str(seq)},
@@ -143,4 +144,3 @@ class LakeWriter:
             log.info("%s: compacted %s", self.table_name, metrics)
         except Exception as exc:  # noqa: BLE001 - maintenance is best effort
             log.warning("%s: compaction failed (%s); will retry later", self.table_name, exc)
-

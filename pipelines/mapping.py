@@ -76,10 +76,7 @@ class TableMapping:
         parts = [_text_value(row, col) for col in self.text_columns]
         text = "\n\n".join(p for p in parts if p)
         acl = parse_acl(row.get(self.acl_column)) if self.acl_column else ()
-        metadata = tuple(
-            (col, json.dumps(row.get(col), sort_keys=True, default=str))
-            for col in self.metadata_columns
-        )
+        metadata = tuple((col, json.dumps(row.get(col), sort_keys=True, default=str)) for col in self.metadata_columns)
         return title, text, acl, metadata
 
 
@@ -146,8 +143,5 @@ class MappingConfig:
         if not isinstance(raw, Mapping):
             raise MappingError("a mapping file must hold an object with 'default' and/or 'tables'.")
         default = TableMapping.from_dict(raw.get("default") or {})
-        tables = {
-            name: TableMapping.from_dict(spec or {}, default)
-            for name, spec in (raw.get("tables") or {}).items()
-        }
+        tables = {name: TableMapping.from_dict(spec or {}, default) for name, spec in (raw.get("tables") or {}).items()}
         return cls(default, tables)

@@ -45,8 +45,10 @@ def prepare(settings: IngestSettings) -> IngestSettings:
         if not any(rdir.glob("part-*.sqlite3")):
             init_db_dir(rdir, settings.workers)
     else:
-        log.warning("no --recovery-dir: every run re-reads the topics from the start "
-                    "(the lake stays exactly-once, but work is repeated)")
+        log.warning(
+            "no --recovery-dir: every run re-reads the topics from the start "
+            "(the lake stays exactly-once, but work is repeated)"
+        )
     return settings
 
 
@@ -58,7 +60,9 @@ def ensure_dead_letter_topics(settings: IngestSettings) -> None:
     topics = admin.list_topics(timeout=15).topics
     for topic in settings.topics:
         if topic not in topics:
-            raise KafkaIOError(f"topic {topic!r} does not exist on {settings.bootstrap}; produce to it or create it first.")
+            raise KafkaIOError(
+                f"topic {topic!r} does not exist on {settings.bootstrap}; produce to it or create it first."
+            )
         partitions = len(topics[topic].partitions or {}) or 1
         ensure_topics(settings.bootstrap, [topic + settings.dlq_suffix], partitions=partitions)
 
@@ -106,7 +110,8 @@ def _run_cluster(settings: IngestSettings) -> int:
     children = [
         subprocess.Popen(
             [sys.executable, "-m", "pipelines.runner", str(i), ";".join(addresses)],
-            env=env, preexec_fn=_die_with_parent,
+            env=env,
+            preexec_fn=_die_with_parent,
         )
         for i in range(settings.workers)
     ]

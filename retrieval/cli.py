@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
         status = args.func(args)
     except KeyboardInterrupt:
         status = 130
-    except Exception as exc:  # noqa: BLE001 - the CLI prints a sentence, not a trace
+    except Exception as exc:
         logging.getLogger("streamrag").debug("failed", exc_info=True)
         print(f"error: {exc}", file=sys.stderr)
         status = 1

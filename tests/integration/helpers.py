@@ -19,8 +19,9 @@ CLI = [sys.executable, "-m", "retrieval.cli"]
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [*CLI, *args], env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def produce(bootstrap: str, topic: str, corpus: Corpus, path: Path, partitions: int = 2) -> None:
@@ -30,10 +31,24 @@ def produce(bootstrap: str, topic: str, corpus: Corpus, path: Path, partitions: 
     assert f"produced {len(corpus.lines)} messages" in out.stdout
 
 
-def ingest_args(bootstrap: str, topic: str, lake: str, recovery: Path | None, workers: int = 1,
-                idle: float = 6) -> list[str]:
-    args = ["ingest", "--bootstrap", bootstrap, "--topic", topic, "--lake", lake, "--workers", str(workers),
-            "--until-idle", str(idle), "--batch-max-events", "8"]
+def ingest_args(
+    bootstrap: str, topic: str, lake: str, recovery: Path | None, workers: int = 1, idle: float = 6
+) -> list[str]:
+    args = [
+        "ingest",
+        "--bootstrap",
+        bootstrap,
+        "--topic",
+        topic,
+        "--lake",
+        lake,
+        "--workers",
+        str(workers),
+        "--until-idle",
+        str(idle),
+        "--batch-max-events",
+        "8",
+    ]
     if recovery is not None:
         args += ["--recovery-dir", str(recovery)]
     return args
@@ -41,8 +56,9 @@ def ingest_args(bootstrap: str, topic: str, lake: str, recovery: Path | None, wo
 
 def start(args: list[str], env: dict[str, str] | None, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as fh:
-        return subprocess.Popen([*CLI, *args], env={**os.environ, **(env or {})}, stdout=fh, stderr=fh,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [*CLI, *args], env={**os.environ, **(env or {})}, stdout=fh, stderr=fh, start_new_session=True
+        )
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -66,8 +66,7 @@ def test_ingest_to_s3(broker, real_embedder, s3_server, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_kill_9_mid_stream_then_restart_equals_a_clean_run(broker, real_embedder, tmp_path: Path,
-                                                           workers: int) -> None:
+def test_kill_9_mid_stream_then_restart_equals_a_clean_run(broker, real_embedder, tmp_path: Path, workers: int) -> None:
     topic = f"cdc.app.public.docs_crash{workers}"
     corpus = make_corpus(seed=30 + workers, docs=120, updates=60, deletes=10)
     produce(broker, topic, corpus, tmp_path / "events.jsonl")

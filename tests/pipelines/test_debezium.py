@@ -55,8 +55,17 @@ def test_composite_keys_are_json() -> None:
 
 def test_per_table_mapping() -> None:
     mapping = MappingConfig.from_dict(
-        {"tables": {"public.tickets": {"id": ["ticket_id"], "title": "subject", "text": ["description", "notes"],
-                                       "acl": None, "metadata": ["priority"]}}}
+        {
+            "tables": {
+                "public.tickets": {
+                    "id": ["ticket_id"],
+                    "title": "subject",
+                    "text": ["description", "notes"],
+                    "acl": None,
+                    "metadata": ["priority"],
+                }
+            }
+        }
     )
     src = {**SRC, "table": "tickets"}
     row = {"ticket_id": "T-1", "subject": "Broken", "description": "It broke.", "notes": "Fixed.", "priority": 2}
@@ -93,7 +102,8 @@ def test_malformed_messages_are_dead_letters_with_reasons() -> None:
     assert "JSON list" in bad(enc([1, 2])).error
     assert "'source'" in bad(enc({"op": "c", "after": {"id": 1}})).error
     assert "tombstone" in bad(None).error
-    assert "ts_ms must be an integer" in bad(enc({**envelope("c", {"id": 1}, source={"table": "t"}), "ts_ms": "x"})).error
+    bad_ts = {**envelope("c", {"id": 1}, source={"table": "t"}), "ts_ms": "x"}
+    assert "ts_ms must be an integer" in bad(enc(bad_ts)).error
 
 
 @settings(max_examples=300, deadline=None)

@@ -16,10 +16,26 @@ def chunker() -> Chunker:
     return Chunker(FakeEmbedder().count_tokens, max_tokens=80, overlap_tokens=16)
 
 
-def event(pos: int | None, text: str = "", op: str = "upsert", acl: tuple[str, ...] = (), tombstone: bool = False,
-          title: str = "T") -> ChangeEvent:
-    return ChangeEvent("public.docs", "1", op, None if pos is None else f"pg:{pos:020d}",  # type: ignore[arg-type]
-                       KafkaCoordinates("t", 0, pos or 0), 1000, title, text, acl, tombstone=tombstone)
+def event(
+    pos: int | None,
+    text: str = "",
+    op: str = "upsert",
+    acl: tuple[str, ...] = (),
+    tombstone: bool = False,
+    title: str = "T",
+) -> ChangeEvent:
+    return ChangeEvent(
+        "public.docs",
+        "1",
+        op,
+        None if pos is None else f"pg:{pos:020d}",  # type: ignore[arg-type]
+        KafkaCoordinates("t", 0, pos or 0),
+        1000,
+        title,
+        text,
+        acl,
+        tombstone=tombstone,
+    )
 
 
 def doc(seed: int, n: int = 20) -> list[str]:
@@ -92,5 +108,5 @@ def test_delete_of_unknown_document_writes_nothing_but_remembers_position(chunke
 def test_repeated_paragraphs_get_distinct_ids(chunker: Chunker) -> None:
     same = "A repeated heading paragraph that stands alone."
     text = "\n\n".join([same, *doc(4, 6), same, *doc(5, 6), same])
-    state, update, _ = apply_change(None, event(10, text), chunker)
+    _, update, _ = apply_change(None, event(10, text), chunker)
     assert update is not None and len({v.chunk_id for v in update.versions}) == len(update.versions)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from prometheus_client import REGISTRY
 from bytewax.connectors.kafka import KafkaSourceMessage
 from bytewax.recovery import RecoveryConfig, init_db_dir
 from bytewax.testing import TestingSource, cluster_main, run_main
+from prometheus_client import REGISTRY
 
 from pipelines.flow import Runtime, build_flow
 from pipelines.kafka_io import read_jsonl_messages
@@ -73,9 +73,15 @@ def test_abort_and_resume_leaves_the_clean_run_result(tmp_path: Path, epoch_ms: 
     init_db_dir(rdir, 1)
     embedder = FakeEmbedder()
     third = len(msgs) // 3
-    items = [*msgs[:third], TestingSource.PAUSE(timedelta(milliseconds=600)), TestingSource.ABORT(),
-             *msgs[third : 2 * third], TestingSource.PAUSE(timedelta(milliseconds=600)), TestingSource.ABORT(),
-             *msgs[2 * third :]]
+    items = [
+        *msgs[:third],
+        TestingSource.PAUSE(timedelta(milliseconds=600)),
+        TestingSource.ABORT(),
+        *msgs[third : 2 * third],
+        TestingSource.PAUSE(timedelta(milliseconds=600)),
+        TestingSource.ABORT(),
+        *msgs[2 * third :],
+    ]
     source = TestingSource(items, batch_size=5)
     recovery = RecoveryConfig(rdir)
     lake = Lake.at(settings.lake)

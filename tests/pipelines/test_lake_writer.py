@@ -5,16 +5,25 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from pipelines.lake import CHUNKS, DEAD_LETTERS_SCHEMA, DEAD_LETTERS, Lake
+from pipelines.lake import CHUNKS, DEAD_LETTERS, DEAD_LETTERS_SCHEMA, Lake
 from pipelines.lake_writer import ConcurrentWriterError, LakeWriter
 
 
 def letters(*offsets: int) -> pa.Table:
     n = len(offsets)
     return pa.table(
-        {"topic": ["t"] * n, "partition": [0] * n, "offset": list(offsets), "key": [None] * n,
-         "value": [b"x"] * n, "error": ["bad"] * n, "headers": ["{}"] * n, "ingest_time": [None] * n,
-         "writer": [None] * n, "writer_seq": [None] * n},
+        {
+            "topic": ["t"] * n,
+            "partition": [0] * n,
+            "offset": list(offsets),
+            "key": [None] * n,
+            "value": [b"x"] * n,
+            "error": ["bad"] * n,
+            "headers": ["{}"] * n,
+            "ingest_time": [None] * n,
+            "writer": [None] * n,
+            "writer_seq": [None] * n,
+        },
         schema=DEAD_LETTERS_SCHEMA,
     )
 
@@ -37,7 +46,10 @@ def test_commits_are_numbered_and_tagged(lake: Lake) -> None:
     assert w.seq == 2 and lake.table(DEAD_LETTERS).transaction_version("job:dl:000") == 2
     rows = lake.read(DEAD_LETTERS).to_pylist()
     assert {(r["offset"], r["writer"], r["writer_seq"]) for r in rows} == {
-        (1, "job:dl:000", 1), (2, "job:dl:000", 1), (3, "job:dl:000", 2)}
+        (1, "job:dl:000", 1),
+        (2, "job:dl:000", 1),
+        (3, "job:dl:000", 2),
+    }
 
 
 def test_rows_committed_after_the_snapshot_are_skipped_on_replay(lake: Lake) -> None:
