@@ -5,12 +5,13 @@ windows for run-on text) into *units*, and units are packed into chunks of at mo
 ``max_tokens`` tokens, measured with the embedder's own tokenizer.
 
 Packing greedily from the top would be unstable: inserting a paragraph near the start
-would shift every later boundary and re-embed the whole document. Instead, boundaries are
-mostly *content-defined*: a chunk always ends before a heading and, once it holds a
-quarter of the budget, after any unit whose hash is 0 modulo ``boundary_modulus``
-(decided by that unit's text alone); the token budget only forces extra boundaries in
-between. An edit therefore changes the chunks
-from the previous content-defined boundary to the next one, and no others.
+would shift every later boundary and re-embed the whole document. Instead, the units are
+first cut into *segments* at content-defined points: before every heading, and after a
+unit with a probability proportional to its size (``tokens / target``, decided by a hash
+of that unit's text alone, so the same unit always decides the same way). Segments average
+``target`` tokens (half the budget). Each segment is then packed greedily into chunks of at
+most the budget, independently of every other segment. An edit therefore changes the
+chunks of the segment it falls in (plus the next chunk's overlap), and no others.
 
 Each chunk after the first starts with the last sentence of the previous chunk when that
 sentence is short (``overlap_tokens``), so a thought split across a boundary is found
@@ -77,7 +78,6 @@ class Chunker:
         count_tokens: TokenCounter,
         max_tokens: int = 200,
         overlap_tokens: int = 32,
-        boundary_modulus: int = 3,
     ) -> None:
         if max_tokens < 16:
             raise ValueError("max_tokens must be at least 16.")
@@ -86,9 +86,8 @@ class Chunker:
         self.count_tokens = count_tokens
         self.max_tokens = max_tokens
         self.overlap_tokens = overlap_tokens
-        self.boundary_modulus = max(1, boundary_modulus)
-        #: content-defined boundaries only once a chunk holds this much (no confetti)
-        self.min_tokens = max_tokens // 4
+        #: mean segment size in tokens: small enough that segments rarely need splitting
+        self.target_tokens = (max_tokens - overlap_tokens) // 2
 
     def chunk(self, text: str) -> list[Chunk]:
         units = self._units(text)
@@ -162,25 +161,39 @@ class Chunker:
 
     # -- packing ---------------------------------------------------------------------
 
-    def _content_boundary(self, unit: _Unit) -> bool:
+    def _ends_segment(self, unit: _Unit) -> bool:
+        """Stateless: a hash of the unit's text, compared with its share of the target."""
         digest = hashlib.blake2b(unit.text.encode("utf-8"), digest_size=8).digest()
-        return int.from_bytes(digest, "big") % self.boundary_modulus == 0
+        draw = int.from_bytes(digest, "big") / 2**64
+        return draw < unit.tokens / self.target_tokens
+
+    def _segments(self, units: list[_Unit]) -> list[list[_Unit]]:
+        segments: list[list[_Unit]] = []
+        current: list[_Unit] = []
+        for unit in units:
+            if current and unit.heading:
+                segments.append(current)
+                current = []
+            current.append(unit)
+            if not unit.heading and self._ends_segment(unit):
+                segments.append(current)
+                current = []
+        if current:
+            segments.append(current)
+        return segments
 
     def _pack(self, units: list[_Unit]) -> list[list[_Unit]]:
         budget = self.max_tokens - self.overlap_tokens
         groups: list[list[_Unit]] = []
-        current: list[_Unit] = []
-        size = 0
-        for unit in units:
-            if current and (unit.heading or size + unit.tokens > budget):
-                groups.append(current)
-                current, size = [], 0
-            current.append(unit)
-            size += unit.tokens
-            if not unit.heading and size >= self.min_tokens and self._content_boundary(unit):
-                groups.append(current)
-                current, size = [], 0
-        if current:
+        for segment in self._segments(units):
+            current: list[_Unit] = []
+            size = 0
+            for unit in segment:
+                if current and size + unit.tokens > budget:
+                    groups.append(current)
+                    current, size = [], 0
+                current.append(unit)
+                size += unit.tokens
             groups.append(current)
         return groups
 

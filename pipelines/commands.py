@@ -45,6 +45,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--mapping", dest="mapping_file", metavar="FILE", help="table → document mapping (YAML/JSON)")
     p.add_argument("--model", help="embedding model directory (default: bundled all-MiniLM-L6-v2)")
     p.add_argument("--device", default="auto", help="auto (CUDA fp16 when present), cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto, fp32, bf16 (faster on AVX512-BF16 CPUs) or fp16")
     p.add_argument("--writers", type=int, help="lake writers (fixed when the lake is created; default 2)")
     p.add_argument("--job-name", help="names this job's lake writers (default 'ingest')")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (process i uses port + i)")

@@ -48,7 +48,10 @@ class Runtime:
     @cached_property
     def embedder(self) -> Embedder:
         return load_embedder(
-            self.settings.model, device=self.settings.device, token_budget=self.settings.embed_token_budget
+            self.settings.model,
+            device=self.settings.device,
+            dtype=self.settings.dtype,
+            token_budget=self.settings.embed_token_budget,
         )
 
     @cached_property

@@ -21,6 +21,7 @@ class IngestSettings(BaseSettings):
     mapping_file: str | None = None
     model: str | None = None
     device: str = "auto"
+    dtype: str = Field("auto", pattern=r"^(auto|fp32|bf16|fp16)$")
     workers: int = Field(1, ge=1, le=256)
     writers: int = Field(2, ge=1, le=256)
     recovery_dir: str | None = None

@@ -170,6 +170,23 @@ def pick_device(requested: str = "auto") -> tuple[str, Any]:
     return requested, torch.float32
 
 
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+           "fp16": "float16", "float16": "float16"}
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    """None/"auto" → None (device default); "fp32"/"bf16"/"fp16" → the torch dtype."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, str):
+        import torch
+
+        if dtype not in _DTYPES:
+            raise EmbedderError(f"unknown dtype {dtype!r}; use auto, fp32, bf16 or fp16.")
+        return getattr(torch, _DTYPES[dtype])
+    return dtype
+
+
 class SentenceTransformerEmbedder(Embedder):
     """sentence-transformers backend, loaded offline from a local directory."""
 
@@ -191,7 +208,7 @@ class SentenceTransformerEmbedder(Embedder):
 
         name, path = resolve_model(model)
         self.device, default_dtype = pick_device(device)
-        self.dtype = dtype if dtype is not None else default_dtype
+        self.dtype = _torch_dtype(dtype) or default_dtype
         self._model = SentenceTransformer(str(path), device=self.device, model_kwargs={"dtype": self.dtype})
         self.max_tokens = int(self._model.max_seq_length or 256)
         dim = self._model.get_embedding_dimension()

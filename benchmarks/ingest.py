@@ -1,0 +1,267 @@
+"""Ingest benchmarks: one JSON line per figure, each against a baseline measured in the same run.
+
+    .venv/bin/python benchmarks/ingest.py                   # all sections, default sizes
+    .venv/bin/python benchmarks/ingest.py --only throughput --docs 400
+
+Sections
+- throughput: pipeline chunks/s (Kafka → decode → chunk → embed → Delta commit) vs raw
+  ``SentenceTransformer.encode`` of the same chunk texts. Target ratio >= 0.9.
+- incremental: an update stream where each event rewrites 10% of a document (2 consecutive
+  of its 20 paragraphs): embeddings per event and events/s vs re-embedding whole
+  documents. Target >= 5x fewer embeddings.
+- stream: ``streamrag ingest`` as a user runs it on a stream of --stream-docs documents
+  produced at a steady rate: peak RSS of the job and event-to-commit lag p50/p99.
+- precision: bf16 vs fp32 embedding on this CPU: speed-up and cosine agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+from bytewax.testing import run_main  # noqa: E402
+from confluent_kafka import Producer  # noqa: E402
+from prometheus_client import REGISTRY  # noqa: E402
+
+from pipelines.broker import ensure_topics, free_port, start_broker  # noqa: E402
+from pipelines.flow import Runtime, build_flow  # noqa: E402
+from pipelines.lake import CHUNKS, Lake, current_chunks  # noqa: E402
+from pipelines.runner import prepare  # noqa: E402
+from pipelines.settings import IngestSettings  # noqa: E402
+from serving.embedder import SentenceTransformerEmbedder  # noqa: E402
+from tests.corpus import body, paragraph  # noqa: E402
+
+TOPIC = "cdc.app.public.docs"
+
+
+def emit(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def envelope(pk: int, row: dict[str, object] | None, lsn: int, op: str = "c") -> tuple[bytes, bytes]:
+    value = {
+        "before": None,
+        "after": row,
+        "source": {"connector": "postgresql", "db": "app", "schema": "public", "table": "docs", "lsn": lsn},
+        "op": op,
+        "ts_ms": int(time.time() * 1000),
+    }
+    return json.dumps({"id": pk}).encode(), json.dumps(value).encode()
+
+
+def produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]]) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 5})
+    for key, value in messages:
+        while True:
+            try:
+                producer.produce(topic, key=key, value=value)
+                break
+            except BufferError:
+                producer.poll(0.05)
+    assert producer.flush(60) == 0
+
+
+def counter(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def run_pipeline(settings: IngestSettings, embedder: SentenceTransformerEmbedder) -> float:
+    """Run the flow in-process until idle; return seconds from start to the last row built."""
+    lake = Lake.at(settings.lake)
+    before = lake.table(CHUNKS).version()
+    started = time.time()
+    run_main(build_flow(settings, embedder=embedder), epoch_interval=timedelta(seconds=settings.epoch_interval_s))
+    rows = lake.read(CHUNKS, columns=["ingest_time", "writer_seq"])
+    newest = max(t.timestamp() for t in rows.column("ingest_time").to_pylist())
+    assert lake.table(CHUNKS).version() > before, "the pipeline wrote nothing"
+    return newest - started
+
+
+def settings_for(bootstrap: str, work: Path, name: str, **kw: object) -> IngestSettings:
+    return prepare(
+        IngestSettings(
+            bootstrap=bootstrap,
+            topics=[f"{TOPIC}.{name}"],
+            lake=str(work / name / "lake"),
+            recovery_dir=str(work / name / "recovery"),
+            until_idle_s=2.0,
+            **kw,  # type: ignore[arg-type]
+        )
+    )
+
+
+def bench_throughput(bootstrap: str, work: Path, embedder: SentenceTransformerEmbedder, docs: int) -> None:
+    rng = random.Random(1)
+    settings = settings_for(bootstrap, work, "throughput")
+    ensure_topics(bootstrap, settings.topics, partitions=1)
+    produce(bootstrap, settings.topics[0],
+            [envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": body(rng, 3)}, 100 + pk) for pk in range(docs)])
+    embedded0 = counter("streamrag_ingest_chunks_total", action="embedded")
+    seconds = run_pipeline(settings, embedder)
+    embedded = counter("streamrag_ingest_chunks_total", action="embedded") - embedded0
+    texts = current_chunks(Lake.at(settings.lake), columns=["text"]).column("text").to_pylist()
+
+    model = embedder._model  # the raw SentenceTransformer: the baseline
+    model.encode(texts[:64], batch_size=64)  # warm-up
+    t0 = time.perf_counter()
+    model.encode(texts, batch_size=64, normalize_embeddings=True)
+    raw = time.perf_counter() - t0
+    emit(bench="ingest_throughput", docs=docs, chunks=len(texts), embedded=int(embedded),
+         pipeline_s=round(seconds, 2), pipeline_chunks_per_s=round(len(texts) / seconds, 1),
+         encode_s=round(raw, 2), encode_chunks_per_s=round(len(texts) / raw, 1),
+         ratio=round(raw / seconds, 3), target=">= 0.9")
+
+
+def bench_incremental(bootstrap: str, work: Path, embedder: SentenceTransformerEmbedder, docs: int,
+                      updates: int) -> None:
+    rng = random.Random(2)
+    settings = settings_for(bootstrap, work, "incremental")
+    ensure_topics(bootstrap, settings.topics, partitions=1)
+    rows = {pk: [paragraph(rng) for _ in range(20)] for pk in range(docs)}
+    produce(bootstrap, settings.topics[0],
+            [envelope(pk, {"id": pk, "title": "T", "body": "\n\n".join(p)}, 100 + pk) for pk, p in rows.items()])
+    run_pipeline(settings, embedder)
+
+    lsn = 10_000
+    events = []
+    for _ in range(updates):
+        pk = rng.randrange(docs)
+        first = rng.randrange(19)  # 2 consecutive of 20 paragraphs: 10% of the document
+        rows[pk][first] = paragraph(rng)
+        rows[pk][first + 1] = paragraph(rng)
+        lsn += 1
+        events.append((pk, "\n\n".join(rows[pk])))
+    produce(bootstrap, settings.topics[0],
+            [envelope(pk, {"id": pk, "title": "T", "body": text}, 10_000 + i, "u") for i, (pk, text) in enumerate(events)])
+    embedded0 = counter("streamrag_ingest_chunks_total", action="embedded")
+    seconds = run_pipeline(settings, embedder)
+    embedded = counter("streamrag_ingest_chunks_total", action="embedded") - embedded0
+
+    # Baseline: re-embed every updated document whole (what a naive pipeline does).
+    chunker = Runtime(settings, embedder).chunker
+    whole = [c.text for _, text in events for c in chunker.chunk(text)]
+    t0 = time.perf_counter()
+    embedder._model.encode(whole, batch_size=64, normalize_embeddings=True)
+    raw = time.perf_counter() - t0
+    emit(bench="ingest_incremental", docs=docs, update_events=updates, changed_fraction=0.1,
+         embeddings_per_event=round(embedded / updates, 2), whole_doc_embeddings_per_event=round(len(whole) / updates, 2),
+         fewer_embeddings=round(len(whole) / max(embedded, 1), 2), events_per_s=round(updates / seconds, 1),
+         whole_doc_events_per_s=round(updates / raw, 1), target=">= 5x fewer embeddings")
+
+
+def bench_stream(bootstrap: str, work: Path, docs: int, rate: float) -> None:
+    """The CLI as a user runs it; a producer thread feeds `rate` events/s with ts_ms = now."""
+    topic = f"{TOPIC}.stream"
+    ensure_topics(bootstrap, [topic], partitions=2)
+    lake = work / "stream" / "lake"
+    cmd = [sys.executable, "-m", "retrieval.cli", "ingest", "--bootstrap", bootstrap, "--topic", topic,
+           "--lake", str(lake), "--recovery-dir", str(work / "stream" / "recovery"), "--until-idle", "8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rng = random.Random(3)
+
+    def feed() -> None:
+        producer = Producer({"bootstrap.servers": bootstrap, "partitioner": "murmur2_random"})
+        start = time.monotonic()
+        for pk in range(docs):
+            delay = start + pk / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            key, value = envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": body(rng, 2)}, 100 + pk)
+            producer.produce(topic, key=key, value=value)
+            producer.poll(0)
+        producer.flush(60)
+
+    time.sleep(12)  # the job's start-up (model load) is not part of the lag
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    peak = 0
+    ps = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            rss = ps.memory_info().rss + sum(c.memory_info().rss for c in ps.children(recursive=True))
+            peak = max(peak, rss)
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.2)
+    feeder.join()
+    dt = Lake.at(str(lake)).table(CHUNKS)
+    commit_ms = {}
+    for entry in dt.history():
+        writer, seq = entry.get("streamrag.writer"), entry.get("streamrag.seq")
+        if writer is not None and seq is not None:
+            commit_ms[(writer, int(seq))] = entry["timestamp"]
+    table = dt.to_pyarrow_table(columns=["event_time", "writer", "writer_seq"]).to_pylist()
+    lags = [commit_ms[(r["writer"], r["writer_seq"])] / 1000 - r["event_time"].timestamp()
+            for r in table if (r["writer"], r["writer_seq"]) in commit_ms]
+    emit(bench="ingest_stream", docs=docs, rate_events_per_s=rate, exit_code=proc.returncode,
+         rows=len(table), peak_rss_mb=round(peak / 2**20, 1),
+         lag_p50_s=round(float(np.percentile(lags, 50)), 3), lag_p99_s=round(float(np.percentile(lags, 99)), 3))
+
+
+def bench_precision(embedder: SentenceTransformerEmbedder, n: int) -> None:
+    import torch
+
+    rng = random.Random(4)
+    texts = [paragraph(rng) for _ in range(n)]
+    bf16 = SentenceTransformerEmbedder(device="cpu", dtype=torch.bfloat16)
+    timings = {}
+    vectors = {}
+    for name, emb in (("fp32", embedder), ("bf16", bf16)):
+        emb.embed(texts[:32])
+        t0 = time.perf_counter()
+        vectors[name] = emb.embed(texts)
+        timings[name] = time.perf_counter() - t0
+    cos = np.sum(vectors["fp32"] * vectors["bf16"], axis=1)
+    emit(bench="embed_precision", texts=n, fp32_per_s=round(n / timings["fp32"], 1),
+         bf16_per_s=round(n / timings["bf16"], 1), speedup=round(timings["fp32"] / timings["bf16"], 2),
+         cosine_mean=round(float(cos.mean()), 5), cosine_min=round(float(cos.min()), 5))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["throughput", "incremental", "stream", "precision"], action="append")
+    parser.add_argument("--docs", type=int, default=500, help="documents for the throughput section")
+    parser.add_argument("--update-docs", type=int, default=60)
+    parser.add_argument("--updates", type=int, default=150)
+    parser.add_argument("--stream-docs", type=int, default=10_000)
+    parser.add_argument("--stream-rate", type=float, default=60.0, help="events/s fed to the stream section")
+    args = parser.parse_args()
+    sections = set(args.only or ["throughput", "incremental", "stream", "precision"])
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    port = free_port()
+    broker = start_broker(port)
+    bootstrap = f"127.0.0.1:{port}"
+    try:
+        with tempfile.TemporaryDirectory(prefix="streamrag-bench-") as tmp:
+            work = Path(tmp)
+            embedder = SentenceTransformerEmbedder(device="cpu")
+            if "throughput" in sections:
+                bench_throughput(bootstrap, work, embedder, args.docs)
+            if "incremental" in sections:
+                bench_incremental(bootstrap, work, embedder, args.update_docs, args.updates)
+            if "precision" in sections:
+                bench_precision(embedder, 400)
+            if "stream" in sections:
+                bench_stream(bootstrap, work, args.stream_docs, args.stream_rate)
+    finally:
+        broker.terminate()
+        broker.wait(10)
+    sys.stdout.flush()
+    os._exit(0)  # deltalake's runtime threads can abort interpreter teardown
+
+
+if __name__ == "__main__":
+    main()
