@@ -9,8 +9,9 @@ Sections
 - incremental: an update stream where each event rewrites 10% of a document (2 consecutive
   of its 20 paragraphs): embeddings per event and events/s vs re-embedding whole
   documents. Target >= 5x fewer embeddings.
-- stream: ``streamrag ingest`` as a user runs it on a stream of --stream-docs documents
-  produced at a steady rate: peak RSS of the job and event-to-commit lag p50/p99.
+- stream: ``streamrag ingest`` as a user runs it on a stream of --stream-docs one-paragraph
+  documents produced at a steady rate (below capacity): peak RSS of the job (all its
+  processes) and event-to-commit lag p50/p99 (source ts_ms to the Delta commit's time).
 - precision: bf16 vs fp32 embedding on this CPU: speed-up and cosine agreement.
 """
 
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
+from bytewax.recovery import RecoveryConfig  # noqa: E402
 from bytewax.testing import run_main  # noqa: E402
 from confluent_kafka import Producer  # noqa: E402
 from prometheus_client import REGISTRY  # noqa: E402
@@ -83,7 +85,12 @@ def run_pipeline(settings: IngestSettings, embedder: SentenceTransformerEmbedder
     lake = Lake.at(settings.lake)
     before = lake.table(CHUNKS).version()
     started = time.time()
-    run_main(build_flow(settings, embedder=embedder), epoch_interval=timedelta(seconds=settings.epoch_interval_s))
+    recovery = RecoveryConfig(Path(settings.recovery_dir)) if settings.recovery_dir else None
+    run_main(
+        build_flow(settings, embedder=embedder),
+        epoch_interval=timedelta(seconds=settings.epoch_interval_s),
+        recovery_config=recovery,
+    )
     rows = lake.read(CHUNKS, columns=["ingest_time", "writer_seq"])
     newest = max(t.timestamp() for t in rows.column("ingest_time").to_pylist())
     assert lake.table(CHUNKS).version() > before, "the pipeline wrote nothing"
@@ -109,18 +116,25 @@ def bench_throughput(bootstrap: str, work: Path, embedder: SentenceTransformerEm
     ensure_topics(bootstrap, settings.topics, partitions=1)
     produce(bootstrap, settings.topics[0],
             [envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": body(rng, 3)}, 100 + pk) for pk in range(docs)])
+    embedder.embed([paragraph(rng) for _ in range(64)])  # warm-up, as for the baseline below
     embedded0 = counter("streamrag_ingest_chunks_total", action="embedded")
+    model_s0 = counter("streamrag_ingest_embed_seconds_sum")
     seconds = run_pipeline(settings, embedder)
     embedded = counter("streamrag_ingest_chunks_total", action="embedded") - embedded0
+    model_s = counter("streamrag_ingest_embed_seconds_sum") - model_s0
     texts = current_chunks(Lake.at(settings.lake), columns=["text"]).column("text").to_pylist()
 
     model = embedder._model  # the raw SentenceTransformer: the baseline
     model.encode(texts[:64], batch_size=64)  # warm-up
-    t0 = time.perf_counter()
-    model.encode(texts, batch_size=64, normalize_embeddings=True)
-    raw = time.perf_counter() - t0
+    raws = []
+    for _ in range(2):  # this machine is shared and noisy: best of two
+        t0 = time.perf_counter()
+        model.encode(texts, batch_size=64, normalize_embeddings=True)
+        raws.append(time.perf_counter() - t0)
+    raw = min(raws)
     emit(bench="ingest_throughput", docs=docs, chunks=len(texts), embedded=int(embedded),
-         pipeline_s=round(seconds, 2), pipeline_chunks_per_s=round(len(texts) / seconds, 1),
+         pipeline_s=round(seconds, 2), pipeline_in_model_s=round(model_s, 2),
+         pipeline_chunks_per_s=round(len(texts) / seconds, 1),
          encode_s=round(raw, 2), encode_chunks_per_s=round(len(texts) / raw, 1),
          ratio=round(raw / seconds, 3), target=">= 0.9")
 
@@ -179,7 +193,7 @@ def bench_stream(bootstrap: str, work: Path, docs: int, rate: float) -> None:
             delay = start + pk / rate - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            key, value = envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": body(rng, 2)}, 100 + pk)
+            key, value = envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": paragraph(rng)}, 100 + pk)
             producer.produce(topic, key=key, value=value)
             producer.poll(0)
         producer.flush(60)
@@ -237,7 +251,7 @@ def main() -> None:
     parser.add_argument("--update-docs", type=int, default=60)
     parser.add_argument("--updates", type=int, default=150)
     parser.add_argument("--stream-docs", type=int, default=10_000)
-    parser.add_argument("--stream-rate", type=float, default=60.0, help="events/s fed to the stream section")
+    parser.add_argument("--stream-rate", type=float, default=40.0, help="events/s fed to the stream section")
     args = parser.parse_args()
     sections = set(args.only or ["throughput", "incremental", "stream", "precision"])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -50,7 +50,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--job-name", help="names this job's lake writers (default 'ingest')")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (process i uses port + i)")
     p.add_argument("--epoch-interval", type=float, dest="epoch_interval_s", help="seconds between snapshots (2)")
-    p.add_argument("--batch-max-events", type=int, help="changes per embedding micro-batch (64)")
+    p.add_argument("--batch-max-events", type=int, help="most changes per embedding micro-batch (256)")
     p.add_argument("--batch-timeout-ms", type=int, help="longest wait to fill a micro-batch (200)")
     p.add_argument("--chunk-max-tokens", type=int, help="chunk size budget in tokens (200)")
     p.set_defaults(func=cmd_ingest)

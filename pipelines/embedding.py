@@ -82,7 +82,7 @@ class BatchEmbedder:
             schema=CHUNKS_SCHEMA,
         )
 
-    def _vectors(self, versions: Sequence[ChunkVersion]) -> list[list[float] | None]:
+    def _vectors(self, versions: Sequence[ChunkVersion]) -> pa.Array:
         out: list[np.ndarray | None] = [None] * len(versions)
         todo: dict[str, list[int]] = {}
         for i, v in enumerate(versions):
@@ -109,7 +109,20 @@ class BatchEmbedder:
                 for i in idxs:
                     out[i] = vec
         metrics.CHUNKS.labels("deleted").inc(sum(1 for v in versions if v.op == "delete"))
-        return [None if v is None else v.tolist() for v in out]
+        return _vector_column(out, self.embedder.identity.dim)
+
+
+def _vector_column(vectors: Sequence[np.ndarray | None], dim: int) -> pa.Array:
+    """list<float32> column straight from numpy (nulls for deletes), no Python floats."""
+    valid = np.array([v is not None for v in vectors], dtype=bool)
+    flat = np.zeros((len(vectors), dim), dtype=np.float32)
+    for i, v in enumerate(vectors):
+        if v is not None:
+            flat[i] = v
+    offsets = np.zeros(len(vectors) + 1, dtype=np.int32)
+    np.cumsum(np.where(valid, dim, 0), out=offsets[1:])
+    values = pa.array(flat[valid].reshape(-1), type=pa.float32())
+    return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array(~valid))
 
 
 def dead_letter_rows(letters: Sequence[DeadLetter]) -> pa.Table:

@@ -27,7 +27,7 @@ class IngestSettings(BaseSettings):
     recovery_dir: str | None = None
     epoch_interval_s: float = Field(2.0, gt=0)
     until_idle_s: float | None = Field(None, gt=0)
-    batch_max_events: int = Field(64, ge=1)
+    batch_max_events: int = Field(256, ge=1)
     batch_timeout_ms: int = Field(200, ge=1)
     chunk_max_tokens: int = Field(200, ge=16)
     chunk_overlap_tokens: int = Field(24, ge=0)

@@ -1,0 +1,89 @@
+"""The commands as a user types them: broker, produce, and ingest's clear errors."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port, wait_port
+from tests.integration.helpers import CLI, cli, ingest_args, start
+
+pytestmark = pytest.mark.integration
+
+
+def test_broker_prints_its_address_and_stops_cleanly_on_sigterm() -> None:
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "broker", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().decode().strip() == f"127.0.0.1:{port}"
+        wait_port(port, proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        with pytest.raises(OSError):  # the Tansu child is gone too
+            __import__("socket").create_connection(("127.0.0.1", port), timeout=0.5)
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_broker_refuses_a_port_in_use(broker: str) -> None:
+    out = cli("broker", "--port", broker.rsplit(":", 1)[1], timeout=30)
+    assert out.returncode == 1 and "already in use" in out.stderr
+
+
+def test_produce_reports_a_missing_file(broker: str, tmp_path: Path) -> None:
+    out = cli("produce", "--bootstrap", broker, "--topic", "t", str(tmp_path / "nope.jsonl"))
+    assert out.returncode != 0 and "no such file" in out.stderr
+
+
+def test_ingest_refuses_a_missing_topic_with_a_sentence(broker: str, tmp_path: Path) -> None:
+    out = cli(*ingest_args(broker, "no.such.topic", str(tmp_path / "lake"), None), timeout=120)
+    assert out.returncode == 1
+    assert "topic 'no.such.topic' does not exist" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_ingest_rejects_bad_options(broker: str, tmp_path: Path) -> None:
+    out = cli("ingest", "--bootstrap", broker, "--topic", "t", "--lake", str(tmp_path), "--workers", "0")
+    assert out.returncode == 2 and "--workers" in out.stderr
+    out = cli("ingest", "--bootstrap", broker, "--topic", "t", "--lake", "ftp://x/y")
+    assert out.returncode == 1 and "unsupported storage URI scheme" in out.stderr
+
+
+def test_ingest_serves_prometheus_metrics(broker: str, tmp_path: Path) -> None:
+    from pipelines.broker import ensure_topics
+    from tests.corpus import make_corpus
+    from tests.integration.helpers import produce
+
+    topic = "cdc.app.public.docs_metrics"
+    ensure_topics(broker, [topic])
+    produce(broker, topic, make_corpus(seed=5, docs=5, updates=2, deletes=1), tmp_path / "e.jsonl")
+    port = free_port()
+    proc = start([*ingest_args(broker, topic, str(tmp_path / "lake"), None, idle=20), "--metrics-port", str(port)],
+                 None, tmp_path / "log")
+    try:
+        deadline = time.monotonic() + 120
+        body = ""
+        while time.monotonic() < deadline:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            except OSError:
+                time.sleep(0.5)
+                continue
+            if 'streamrag_ingest_lake_commits_total{table="chunks"}' in body:
+                break
+            time.sleep(0.5)
+        assert 'streamrag_ingest_events_total{outcome="dead-letter"} 8.0' in body, body[-2000:]
+        assert "streamrag_ingest_event_to_commit_seconds_bucket" in body
+        assert 'streamrag_ingest_chunks_total{action="embedded"}' in body
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    json.dumps(body[:10])
