@@ -261,7 +261,7 @@ def _release_freed_memory() -> None:
 
     Torch's CPU activations for batches of varying shapes leave glibc holding freed
     memory: without this the job grew from 0.7 to 1.6 GB over a 10k-document stream;
-    with it RSS stays flat. Costs microseconds against a batch's ~1 s.
+    with it RSS stays under 0.95 GB. Costs 1-7 ms against a batch's ~1 s.
     """
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)

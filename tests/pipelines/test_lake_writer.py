@@ -120,3 +120,12 @@ def test_compaction_keeps_rows_and_writer_tags(lake: Lake) -> None:
     assert len(files) < 10
     resumed = LakeWriter(lake, DEAD_LETTERS, "a", 7)
     assert resumed.write(letters(8, 9, 10)).column("offset").to_pylist() == [10]
+
+
+def test_many_small_commits_get_checkpoints(lake: Lake) -> None:
+    w = LakeWriter(lake, DEAD_LETTERS, "a", None)
+    for i in range(105):
+        w.write(letters(i))
+    log = Path(lake.table_uri(DEAD_LETTERS)) / "_delta_log"
+    assert list(log.glob("*.checkpoint.parquet")), "delta-rs should checkpoint every 100 commits"
+    assert lake.table(DEAD_LETTERS).version() == 105 and len(offsets(lake)) == 105
