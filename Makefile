@@ -33,6 +33,7 @@ test-integration: venv
 
 lint: venv
 	$(VENV)/bin/ruff check pipelines indexing retrieval serving tests benchmarks
+	$(VENV)/bin/ruff format --check pipelines indexing retrieval serving tests benchmarks
 	$(VENV)/bin/mypy pipelines indexing retrieval serving
 
 bench: venv

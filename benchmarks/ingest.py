@@ -31,20 +31,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-from bytewax.recovery import RecoveryConfig  # noqa: E402
-from bytewax.testing import run_main  # noqa: E402
-from confluent_kafka import Producer  # noqa: E402
-from prometheus_client import REGISTRY  # noqa: E402
+import numpy as np
+import psutil
+from bytewax.recovery import RecoveryConfig
+from bytewax.testing import run_main
+from confluent_kafka import Producer
+from prometheus_client import REGISTRY
 
-from pipelines.broker import ensure_topics, free_port, start_broker  # noqa: E402
-from pipelines.flow import Runtime, build_flow  # noqa: E402
-from pipelines.lake import CHUNKS, Lake, current_chunks  # noqa: E402
-from pipelines.runner import prepare  # noqa: E402
-from pipelines.settings import IngestSettings  # noqa: E402
-from serving.embedder import SentenceTransformerEmbedder  # noqa: E402
-from tests.corpus import body, paragraph  # noqa: E402
+from pipelines.broker import ensure_topics, free_port, start_broker
+from pipelines.flow import Runtime, build_flow
+from pipelines.lake import CHUNKS, Lake, current_chunks
+from pipelines.runner import prepare
+from pipelines.settings import IngestSettings
+from serving.embedder import SentenceTransformerEmbedder
+from tests.corpus import body, paragraph
 
 TOPIC = "cdc.app.public.docs"
 
@@ -114,8 +114,11 @@ def bench_throughput(bootstrap: str, work: Path, embedder: SentenceTransformerEm
     rng = random.Random(1)
     settings = settings_for(bootstrap, work, "throughput")
     ensure_topics(bootstrap, settings.topics, partitions=1)
-    produce(bootstrap, settings.topics[0],
-            [envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": body(rng, 3)}, 100 + pk) for pk in range(docs)])
+    produce(
+        bootstrap,
+        settings.topics[0],
+        [envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": body(rng, 3)}, 100 + pk) for pk in range(docs)],
+    )
     embedder.embed([paragraph(rng) for _ in range(64)])  # warm-up, as for the baseline below
     embedded0 = counter("streamrag_ingest_chunks_total", action="embedded")
     model_s0 = counter("streamrag_ingest_embed_seconds_sum")
@@ -132,34 +135,47 @@ def bench_throughput(bootstrap: str, work: Path, embedder: SentenceTransformerEm
         model.encode(texts, batch_size=64, normalize_embeddings=True)
         raws.append(time.perf_counter() - t0)
     raw = min(raws)
-    emit(bench="ingest_throughput", docs=docs, chunks=len(texts), embedded=int(embedded),
-         pipeline_s=round(seconds, 2), pipeline_in_model_s=round(model_s, 2),
-         pipeline_chunks_per_s=round(len(texts) / seconds, 1),
-         encode_s=round(raw, 2), encode_chunks_per_s=round(len(texts) / raw, 1),
-         ratio=round(raw / seconds, 3), target=">= 0.9")
+    emit(
+        bench="ingest_throughput",
+        docs=docs,
+        chunks=len(texts),
+        embedded=int(embedded),
+        pipeline_s=round(seconds, 2),
+        pipeline_in_model_s=round(model_s, 2),
+        pipeline_chunks_per_s=round(len(texts) / seconds, 1),
+        encode_s=round(raw, 2),
+        encode_chunks_per_s=round(len(texts) / raw, 1),
+        ratio=round(raw / seconds, 3),
+        target=">= 0.9",
+    )
 
 
-def bench_incremental(bootstrap: str, work: Path, embedder: SentenceTransformerEmbedder, docs: int,
-                      updates: int) -> None:
+def bench_incremental(
+    bootstrap: str, work: Path, embedder: SentenceTransformerEmbedder, docs: int, updates: int
+) -> None:
     rng = random.Random(2)
     settings = settings_for(bootstrap, work, "incremental")
     ensure_topics(bootstrap, settings.topics, partitions=1)
     rows = {pk: [paragraph(rng) for _ in range(20)] for pk in range(docs)}
-    produce(bootstrap, settings.topics[0],
-            [envelope(pk, {"id": pk, "title": "T", "body": "\n\n".join(p)}, 100 + pk) for pk, p in rows.items()])
+    produce(
+        bootstrap,
+        settings.topics[0],
+        [envelope(pk, {"id": pk, "title": "T", "body": "\n\n".join(p)}, 100 + pk) for pk, p in rows.items()],
+    )
     run_pipeline(settings, embedder)
 
-    lsn = 10_000
     events = []
     for _ in range(updates):
         pk = rng.randrange(docs)
         first = rng.randrange(19)  # 2 consecutive of 20 paragraphs: 10% of the document
         rows[pk][first] = paragraph(rng)
         rows[pk][first + 1] = paragraph(rng)
-        lsn += 1
         events.append((pk, "\n\n".join(rows[pk])))
-    produce(bootstrap, settings.topics[0],
-            [envelope(pk, {"id": pk, "title": "T", "body": text}, 10_000 + i, "u") for i, (pk, text) in enumerate(events)])
+    produce(
+        bootstrap,
+        settings.topics[0],
+        [envelope(pk, {"id": pk, "title": "T", "body": text}, 10_000 + i, "u") for i, (pk, text) in enumerate(events)],
+    )
     embedded0 = counter("streamrag_ingest_chunks_total", action="embedded")
     seconds = run_pipeline(settings, embedder)
     embedded = counter("streamrag_ingest_chunks_total", action="embedded") - embedded0
@@ -170,10 +186,18 @@ def bench_incremental(bootstrap: str, work: Path, embedder: SentenceTransformerE
     t0 = time.perf_counter()
     embedder._model.encode(whole, batch_size=64, normalize_embeddings=True)
     raw = time.perf_counter() - t0
-    emit(bench="ingest_incremental", docs=docs, update_events=updates, changed_fraction=0.1,
-         embeddings_per_event=round(embedded / updates, 2), whole_doc_embeddings_per_event=round(len(whole) / updates, 2),
-         fewer_embeddings=round(len(whole) / max(embedded, 1), 2), events_per_s=round(updates / seconds, 1),
-         whole_doc_events_per_s=round(updates / raw, 1), target=">= 5x fewer embeddings")
+    emit(
+        bench="ingest_incremental",
+        docs=docs,
+        update_events=updates,
+        changed_fraction=0.1,
+        embeddings_per_event=round(embedded / updates, 2),
+        whole_doc_embeddings_per_event=round(len(whole) / updates, 2),
+        fewer_embeddings=round(len(whole) / max(embedded, 1), 2),
+        events_per_s=round(updates / seconds, 1),
+        whole_doc_events_per_s=round(updates / raw, 1),
+        target=">= 5x fewer embeddings",
+    )
 
 
 def bench_stream(bootstrap: str, work: Path, docs: int, rate: float) -> None:
@@ -181,8 +205,22 @@ def bench_stream(bootstrap: str, work: Path, docs: int, rate: float) -> None:
     topic = f"{TOPIC}.stream"
     ensure_topics(bootstrap, [topic], partitions=2)
     lake = work / "stream" / "lake"
-    cmd = [sys.executable, "-m", "retrieval.cli", "ingest", "--bootstrap", bootstrap, "--topic", topic,
-           "--lake", str(lake), "--recovery-dir", str(work / "stream" / "recovery"), "--until-idle", "8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "retrieval.cli",
+        "ingest",
+        "--bootstrap",
+        bootstrap,
+        "--topic",
+        topic,
+        "--lake",
+        str(lake),
+        "--recovery-dir",
+        str(work / "stream" / "recovery"),
+        "--until-idle",
+        "8",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rng = random.Random(3)
 
@@ -218,11 +256,21 @@ def bench_stream(bootstrap: str, work: Path, docs: int, rate: float) -> None:
         if writer is not None and seq is not None:
             commit_ms[(writer, int(seq))] = entry["timestamp"]
     table = dt.to_pyarrow_table(columns=["event_time", "writer", "writer_seq"]).to_pylist()
-    lags = [commit_ms[(r["writer"], r["writer_seq"])] / 1000 - r["event_time"].timestamp()
-            for r in table if (r["writer"], r["writer_seq"]) in commit_ms]
-    emit(bench="ingest_stream", docs=docs, rate_events_per_s=rate, exit_code=proc.returncode,
-         rows=len(table), peak_rss_mb=round(peak / 2**20, 1),
-         lag_p50_s=round(float(np.percentile(lags, 50)), 3), lag_p99_s=round(float(np.percentile(lags, 99)), 3))
+    lags = [
+        commit_ms[(r["writer"], r["writer_seq"])] / 1000 - r["event_time"].timestamp()
+        for r in table
+        if (r["writer"], r["writer_seq"]) in commit_ms
+    ]
+    emit(
+        bench="ingest_stream",
+        docs=docs,
+        rate_events_per_s=rate,
+        exit_code=proc.returncode,
+        rows=len(table),
+        peak_rss_mb=round(peak / 2**20, 1),
+        lag_p50_s=round(float(np.percentile(lags, 50)), 3),
+        lag_p99_s=round(float(np.percentile(lags, 99)), 3),
+    )
 
 
 def bench_precision(embedder: SentenceTransformerEmbedder, n: int) -> None:
@@ -239,9 +287,15 @@ def bench_precision(embedder: SentenceTransformerEmbedder, n: int) -> None:
         vectors[name] = emb.embed(texts)
         timings[name] = time.perf_counter() - t0
     cos = np.sum(vectors["fp32"] * vectors["bf16"], axis=1)
-    emit(bench="embed_precision", texts=n, fp32_per_s=round(n / timings["fp32"], 1),
-         bf16_per_s=round(n / timings["bf16"], 1), speedup=round(timings["fp32"] / timings["bf16"], 2),
-         cosine_mean=round(float(cos.mean()), 5), cosine_min=round(float(cos.min()), 5))
+    emit(
+        bench="embed_precision",
+        texts=n,
+        fp32_per_s=round(n / timings["fp32"], 1),
+        bf16_per_s=round(n / timings["bf16"], 1),
+        speedup=round(timings["fp32"] / timings["bf16"], 2),
+        cosine_mean=round(float(cos.mean()), 5),
+        cosine_min=round(float(cos.min()), 5),
+    )
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from pipelines.debezium import decode
 from pipelines.docstate import DocState, apply_change
 from pipelines.embedding import BatchEmbedder, dead_letter_rows
 from pipelines.kafka_io import DeadLetterProducer, IdleStoppingKafkaSource, SourceItem, kafka_coordinates
-from pipelines.lake import CHUNKS, DEAD_LETTERS, Lake
+from pipelines.lake import CHUNKS, DEAD_LETTERS, Lake, check_model
 from pipelines.lake_sink import LakeSink
 from pipelines.mapping import MappingConfig
 from pipelines.records import ChangeEvent, DeadLetter, DocUpdate
@@ -62,6 +62,7 @@ class Runtime:
 
     @cached_property
     def batch_embedder(self) -> BatchEmbedder:
+        check_model(self.lake, str(self.embedder.identity))
         return BatchEmbedder(self.embedder, self.settings.vector_cache_size)
 
     # -- step functions ---------------------------------------------------------------

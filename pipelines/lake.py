@@ -123,6 +123,27 @@ class Lake:
         return self.table(name, version).to_pyarrow_table(columns=columns)
 
 
+def models_in(lake: Lake) -> set[str]:
+    """Model identities of the vectors in ``chunks``, from file statistics (no data read)."""
+    actions = pa.table(lake.table(CHUNKS).get_add_actions(flatten=True))
+    found: set[str] = set()
+    for col in ("min.model", "max.model"):
+        if col in actions.column_names:
+            found.update(m for m in actions.column(col).to_pylist() if m)
+    return found
+
+
+def check_model(lake: Lake, model: str) -> None:
+    """Refuse to mix vectors of another model into a lake (a new model needs a new lake)."""
+    others = models_in(lake) - {model}
+    if others:
+        raise LakeError(
+            f"the lake at {lake.uri} holds vectors of {sorted(others)}, but this job embeds with "
+            f"{model}; vectors of different models must not mix. Use a new --lake, or --model "
+            "matching the lake."
+        )
+
+
 def latest_rows(table: pa.Table) -> pa.Table:
     """The latest version of each chunk id (greatest position, then ingest_time)."""
     if table.num_rows == 0:

@@ -96,3 +96,13 @@ def test_abort_and_resume_leaves_the_clean_run_result(tmp_path: Path, epoch_ms: 
     assert_lake_matches(lake, corpus, Runtime(settings, embedder).chunker)
     if epoch_ms > 10_000:
         assert skipped > 0, "replayed rows were committed before the abort and must have been skipped"
+
+
+def test_a_lake_refuses_vectors_of_another_model(tmp_path: Path) -> None:
+    from pipelines.lake import LakeError
+
+    corpus = make_corpus(seed=3, docs=3, updates=0, deletes=0)
+    settings = prepare(settings_for(tmp_path))
+    run_main(build_flow(settings, TestingSource(messages(tmp_path, corpus)), Published(), FakeEmbedder(dim=32)))
+    with pytest.raises(LakeError, match="vectors of different models must not mix"):
+        build_flow(settings, TestingSource([]), Published(), FakeEmbedder(dim=16))
