@@ -54,10 +54,14 @@ def prepare(settings: IngestSettings) -> IngestSettings:
 
 def ensure_dead_letter_topics(settings: IngestSettings) -> None:
     """Create ``<topic><suffix>`` for each input topic (as many partitions as the input)."""
+    from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
     admin = AdminClient({"bootstrap.servers": settings.bootstrap, **settings.kafka_config})
-    topics = admin.list_topics(timeout=15).topics
+    try:
+        topics = admin.list_topics(timeout=15).topics
+    except KafkaException as exc:
+        raise KafkaIOError(f"cannot reach Kafka at {settings.bootstrap} ({exc.args[0].str()}); is the broker up?") from exc
     for topic in settings.topics:
         if topic not in topics:
             raise KafkaIOError(

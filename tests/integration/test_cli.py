@@ -50,6 +50,12 @@ def test_ingest_refuses_a_missing_topic_with_a_sentence(broker: str, tmp_path: P
     assert "Traceback" not in out.stderr
 
 
+def test_ingest_says_when_kafka_is_unreachable(tmp_path: Path) -> None:
+    out = cli(*ingest_args(f"127.0.0.1:{free_port()}", "t", str(tmp_path / "lake"), None), timeout=120)
+    assert out.returncode == 1 and "cannot reach Kafka at 127.0.0.1:" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_ingest_rejects_bad_options(broker: str, tmp_path: Path) -> None:
     out = cli("ingest", "--bootstrap", broker, "--topic", "t", "--lake", str(tmp_path), "--workers", "0")
     assert out.returncode == 2 and "--workers" in out.stderr
