@@ -61,7 +61,8 @@ def ensure_dead_letter_topics(settings: IngestSettings) -> None:
     try:
         topics = admin.list_topics(timeout=15).topics
     except KafkaException as exc:
-        raise KafkaIOError(f"cannot reach Kafka at {settings.bootstrap} ({exc.args[0].str()}); is the broker up?") from exc
+        reason = exc.args[0].str()
+        raise KafkaIOError(f"cannot reach Kafka at {settings.bootstrap} ({reason}); is the broker up?") from exc
     for topic in settings.topics:
         if topic not in topics:
             raise KafkaIOError(
