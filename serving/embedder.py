@@ -176,8 +176,14 @@ def pick_device(requested: str = "auto") -> tuple[str, Any]:
     return requested, torch.float32
 
 
-_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-           "fp16": "float16", "float16": "float16"}
+_DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
 
 
 def _torch_dtype(dtype: Any) -> Any:

@@ -72,8 +72,11 @@ def test_ingest_serves_prometheus_metrics(broker: str, tmp_path: Path) -> None:
     ensure_topics(broker, [topic])
     produce(broker, topic, make_corpus(seed=5, docs=5, updates=2, deletes=1), tmp_path / "e.jsonl")
     port = free_port()
-    proc = start([*ingest_args(broker, topic, str(tmp_path / "lake"), None, idle=20), "--metrics-port", str(port)],
-                 None, tmp_path / "log")
+    proc = start(
+        [*ingest_args(broker, topic, str(tmp_path / "lake"), None, idle=20), "--metrics-port", str(port)],
+        None,
+        tmp_path / "log",
+    )
     try:
         deadline = time.monotonic() + 120
         body = ""
