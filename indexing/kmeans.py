@@ -1,0 +1,212 @@
+"""k-means behind a tiny data interface: local, Ray-distributed and GPU data plug in unchanged.
+
+The algorithm asks its data for four things only (as faiss's contrib/clustering does):
+``count()``, ``dim()``, ``sample(n, seed)`` and ``assign_partial(centroids)``, which
+returns per-cluster partial sums, counts and the objective for the data's share. The
+driver reduces partial sums; no process ever holds all vectors unless the data is local.
+
+>>> import numpy as np
+>>> x = np.random.default_rng(0).standard_normal((500, 8)).astype("float32")
+>>> result = train_kmeans(LocalData(x), k=4, seed=1, progress=False)
+>>> result.centroids.shape
+(4, 8)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import faiss
+import numpy as np
+import numpy.typing as npt
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+Matrix = npt.NDArray[np.float32]
+
+
+class KMeansError(ValueError):
+    """k-means cannot run on this data (too few points, mismatched dimensions)."""
+
+
+@dataclass
+class PartialSums:
+    """One data share's contribution to a Lloyd step."""
+
+    sums: npt.NDArray[np.float64]  # (k, d)
+    counts: npt.NDArray[np.int64]  # (k,)
+    objective: float  # sum of squared distances to the nearest centroid
+
+    def __add__(self, other: PartialSums) -> PartialSums:
+        return PartialSums(self.sums + other.sums, self.counts + other.counts, self.objective + other.objective)
+
+
+class KMeansData(Protocol):
+    def count(self) -> int: ...
+
+    def dim(self) -> int: ...
+
+    def sample(self, n: int, seed: int) -> Matrix: ...
+
+    def assign_partial(self, centroids: Matrix) -> PartialSums: ...
+
+
+def nearest(vectors: Matrix, centroids: Matrix) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+    """(squared distance, index) of each vector's nearest centroid; faiss, on GPU when present."""
+    index: Any = faiss.IndexFlatL2(centroids.shape[1])
+    if faiss.get_num_gpus() > 0:  # pragma: no cover - CI has no GPU
+        index = faiss.index_cpu_to_all_gpus(index)
+    index.add(np.ascontiguousarray(centroids, dtype=np.float32))
+    dist, idx = index.search(np.ascontiguousarray(vectors, dtype=np.float32), 1)
+    return dist[:, 0], idx[:, 0]
+
+
+def partial_sums(vectors: Matrix, centroids: Matrix) -> PartialSums:
+    k, d = centroids.shape
+    sums = np.zeros((k, d), dtype=np.float64)
+    counts = np.zeros(k, dtype=np.int64)
+    if len(vectors) == 0:
+        return PartialSums(sums, counts, 0.0)
+    dist, idx = nearest(vectors, centroids)
+    np.add.at(sums, idx, vectors.astype(np.float64))
+    counts += np.bincount(idx, minlength=k)
+    return PartialSums(sums, counts, float(dist.astype(np.float64).sum()))
+
+
+class LocalData:
+    """Vectors in this process."""
+
+    def __init__(self, vectors: Matrix) -> None:
+        self.vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def count(self) -> int:
+        return len(self.vectors)
+
+    def dim(self) -> int:
+        return int(self.vectors.shape[1])
+
+    def sample(self, n: int, seed: int) -> Matrix:
+        return self.vectors[sample_indices(len(self.vectors), n, seed)]
+
+    def assign_partial(self, centroids: Matrix) -> PartialSums:
+        return partial_sums(self.vectors, centroids)
+
+
+def sample_indices(total: int, n: int, seed: int) -> npt.NDArray[np.int64]:
+    """n distinct global row numbers out of total, sorted; the same for any partitioning,
+    so local and distributed data draw the very same sample for a seed."""
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(total, min(n, total), replace=False)).astype(np.int64)
+
+
+def split_indices(indices: npt.NDArray[np.int64], counts: Sequence[int]) -> list[npt.NDArray[np.int64]]:
+    """Global row numbers → per-partition local row numbers (partitions in order)."""
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return [indices[(indices >= lo) & (indices < hi)] - lo for lo, hi in itertools.pairwise(bounds)]
+
+
+@dataclass
+class KMeansResult:
+    centroids: Matrix
+    objective: float
+    iterations: int
+    history: list[float] = field(default_factory=list)
+    counts: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    seconds: float = 0.0
+
+    @property
+    def imbalance(self) -> float:
+        """faiss's imbalance factor: k * sum(n_i^2) / N^2 (1.0 = perfectly even lists)."""
+        n = float(self.counts.sum())
+        return float(len(self.counts) * np.square(self.counts.astype(np.float64)).sum() / (n * n)) if n else 0.0
+
+
+def _split_empty(centroids: Matrix, counts: npt.NDArray[np.int64], rng: np.random.Generator) -> int:
+    """Re-seed each empty cluster by splitting a large one (faiss's method): returns how many."""
+    empty = np.flatnonzero(counts == 0)
+    if len(empty) == 0:
+        return 0
+    sizes = counts.astype(np.float64)
+    eps = 1.0 / 1024
+    for j in empty:
+        probs = np.maximum(sizes - 1, 0)
+        if probs.sum() == 0:
+            break
+        c = int(rng.choice(len(counts), p=probs / probs.sum()))
+        sign = np.where(np.arange(centroids.shape[1]) % 2 == 0, 1.0, -1.0).astype(np.float32)
+        centroids[j] = centroids[c] * (1 + sign * eps)
+        centroids[c] = centroids[c] * (1 - sign * eps)
+        sizes[j] = sizes[c] / 2
+        sizes[c] -= sizes[j]
+    return len(empty)
+
+
+def kmeans_plus_plus(pool: Matrix, k: int, rng: np.random.Generator) -> Matrix:
+    """k-means++ seeding on a sample (cost k x len(pool) x d, bounded by the sample size)."""
+    first = int(rng.integers(len(pool)))
+    centroids = np.empty((k, pool.shape[1]), dtype=np.float32)
+    centroids[0] = pool[first]
+    sq_norms = np.einsum("ij,ij->i", pool, pool)
+    best = np.maximum(sq_norms - 2 * pool @ pool[first] + sq_norms[first], 0)
+    for j in range(1, k):
+        total = float(best.sum())
+        pick = int(rng.choice(len(pool), p=best / total)) if total > 0 else int(rng.integers(len(pool)))
+        centroids[j] = pool[pick]
+        dist = np.maximum(sq_norms - 2 * pool @ pool[pick] + sq_norms[pick], 0)
+        np.minimum(best, dist, out=best)
+    return centroids
+
+
+def train_kmeans(
+    data: KMeansData,
+    k: int,
+    iterations: int = 25,
+    tol: float = 1e-4,
+    seed: int = 1234,
+    progress: bool = True,
+    reduce: Callable[[Matrix], PartialSums] | None = None,
+) -> KMeansResult:
+    """Lloyd's k-means: k-means++ seeding on a sample, empty-cluster repair, relative-objective stop.
+
+    ``reduce`` (default ``data.assign_partial``) computes the summed partial sums of all
+    data for given centroids; distributed data does the fan-out there.
+    """
+    n = data.count()
+    if k < 1:
+        raise KMeansError("k must be at least 1.")
+    if n < k:
+        raise KMeansError(f"{n} vectors cannot make {k} clusters; lower --nlist.")
+    started = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    pool = np.array(data.sample(min(n, max(16 * k, 10_000)), seed), dtype=np.float32)
+    centroids = kmeans_plus_plus(pool, k, rng)
+    step = reduce or data.assign_partial
+    history: list[float] = []
+    counts = np.zeros(k, dtype=np.int64)
+    bar = tqdm(total=iterations, desc=f"k-means k={k}", disable=not progress, leave=False)
+    done = 0
+    while done < iterations:
+        done += 1
+        part = step(centroids)
+        counts = part.counts
+        history.append(part.objective)
+        nonempty = counts > 0
+        centroids[nonempty] = (part.sums[nonempty] / counts[nonempty, None]).astype(np.float32)
+        repaired = _split_empty(centroids, counts, rng)
+        bar.update(1)
+        bar.set_postfix(objective=f"{part.objective:.4g}", empty=repaired)
+        if len(history) >= 2 and repaired == 0:
+            prev, cur = history[-2], history[-1]
+            if prev > 0 and (prev - cur) / prev < tol:
+                break
+    bar.close()
+    final = step(centroids)  # objective and counts of the centroids we return
+    return KMeansResult(
+        centroids, final.objective, done, [*history, final.objective], final.counts, time.perf_counter() - started
+    )

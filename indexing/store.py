@@ -1,0 +1,204 @@
+"""Object storage for index files: four operations, chosen by URI scheme.
+
+A backend is get / put (optionally only if absent) / list / delete over keys relative to
+a root URI. ``file://`` (or a plain path) and ``s3://`` are built in; the index builder and
+the shard reader take a store as an argument rather than building one inside.
+
+Errors are translated at the edge into this small hierarchy::
+
+    StoreError
+    ├── NotFound            the key does not exist
+    ├── AlreadyExists       put(if_absent=True) found the key taken
+    └── StoreUnavailable    the store could not be reached or refused the request
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pipelines.storage import ObjectStoreSettings, is_s3, normalize_uri
+
+
+class StoreError(Exception):
+    """An object-store operation failed."""
+
+
+class NotFound(StoreError):
+    pass
+
+
+class AlreadyExists(StoreError):
+    pass
+
+
+class StoreUnavailable(StoreError):
+    pass
+
+
+class ObjectStore(ABC):
+    """Keys are '/'-separated paths relative to ``root``."""
+
+    root: str
+
+    @abstractmethod
+    def get(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def put(self, key: str, data: bytes, if_absent: bool = False) -> None: ...
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Iterator[str]: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def uri(self, key: str) -> str:
+        return f"{self.root.rstrip('/')}/{key}"
+
+
+class LocalStore(ObjectStore):
+    """A directory. Writes go to a temporary file first, then an atomic rename (or link,
+    for put-if-absent), so a reader never sees half a file."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._dir = Path(root)
+
+    def _path(self, key: str) -> Path:
+        path = (self._dir / key).resolve()
+        if self._dir.resolve() not in path.parents and path != self._dir.resolve():
+            raise StoreError(f"key {key!r} escapes the store root.")
+        return path
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError as exc:
+            raise NotFound(f"{self.uri(key)} does not exist.") from exc
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot read {self.uri(key)}: {exc}") from exc
+
+    def put(self, key: str, data: bytes, if_absent: bool = False) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            if if_absent:
+                try:
+                    os.link(tmp, path)  # fails if the key exists: atomic create
+                except FileExistsError as exc:
+                    raise AlreadyExists(f"{self.uri(key)} already exists.") from exc
+                finally:
+                    os.unlink(tmp)
+            else:
+                os.replace(tmp, path)
+        except StoreError:
+            raise
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot write {self.uri(key)}: {exc}") from exc
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        base = self._dir
+        if not base.is_dir():
+            return
+        for path in sorted(base.rglob("*")):
+            if path.is_file() and not path.name.startswith("."):
+                key = path.relative_to(base).as_posix()
+                if key.startswith(prefix):
+                    yield key
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot delete {self.uri(key)}: {exc}") from exc
+
+
+class S3Store(ObjectStore):
+    """An S3 (or S3-compatible) prefix via boto3; put-if-absent uses ``If-None-Match: *``."""
+
+    def __init__(self, root: str, settings: ObjectStoreSettings) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.root = root
+        without_scheme = root.split("://", 1)[1]
+        self._bucket, _, prefix = without_scheme.partition("/")
+        self._prefix = prefix.strip("/")
+        self._client: Any = boto3.client(
+            "s3",
+            endpoint_url=settings.endpoint_url,
+            aws_access_key_id=settings.access_key_id,
+            aws_secret_access_key=settings.secret_access_key,
+            aws_session_token=settings.session_token,
+            region_name=settings.region or "us-east-1",
+            config=Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5, read_timeout=30),
+        )
+
+    def _key(self, key: str) -> str:
+        return f"{self._prefix}/{key}" if self._prefix else key
+
+    def _translate(self, exc: Exception, key: str) -> StoreError:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if isinstance(exc, ClientError):
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return NotFound(f"{self.uri(key)} does not exist.")
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                return AlreadyExists(f"{self.uri(key)} already exists.")
+            return StoreUnavailable(f"S3 refused {self.uri(key)}: {code} {exc}")
+        if isinstance(exc, BotoCoreError):
+            return StoreUnavailable(f"cannot reach S3 for {self.uri(key)}: {exc}")
+        return StoreError(f"{self.uri(key)}: {exc}")
+
+    def get(self, key: str) -> bytes:
+        try:
+            body: bytes = self._client.get_object(Bucket=self._bucket, Key=self._key(key))["Body"].read()
+            return body
+        except Exception as exc:
+            raise self._translate(exc, key) from exc
+
+    def put(self, key: str, data: bytes, if_absent: bool = False) -> None:
+        extra = {"IfNoneMatch": "*"} if if_absent else {}
+        try:
+            self._client.put_object(Bucket=self._bucket, Key=self._key(key), Body=data, **extra)
+        except Exception as exc:
+            raise self._translate(exc, key) from exc
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        strip = len(self._prefix) + 1 if self._prefix else 0
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self._bucket, Prefix=self._key(prefix)
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    yield obj["Key"][strip:]
+        except Exception as exc:
+            raise self._translate(exc, prefix) from exc
+
+    def delete(self, key: str) -> None:
+        try:
+            self._client.delete_object(Bucket=self._bucket, Key=self._key(key))
+        except Exception as exc:
+            raise self._translate(exc, key) from exc
+
+
+def open_store(uri: str, settings: ObjectStoreSettings | None = None) -> ObjectStore:
+    """The store for a URI: a path or file:// → LocalStore, s3:// → S3Store."""
+    root = normalize_uri(uri)
+    if is_s3(root):
+        return S3Store(root, settings or ObjectStoreSettings())
+    return LocalStore(root)
