@@ -20,7 +20,9 @@ from indexing.kmeans import Matrix, PartialSums, partial_sums, sample_indices, s
 
 log = logging.getLogger(__name__)
 
-Loader = Callable[[], Matrix]
+#: Builds a partition where it will live: an array of vectors, or an object with a
+#: ``vectors`` attribute (e.g. :class:`indexing.snapshot.Partition`).
+Loader = Callable[[], Any]
 
 
 def start_ray(address: str | None = None, work_dir: Path | None = None, num_cpus: int | None = None) -> None:
@@ -49,7 +51,9 @@ def _shard_actor() -> Any:
             import faiss
 
             faiss.omp_set_num_threads(threads)
-            self.vectors = np.ascontiguousarray(loader(), dtype=np.float32)
+            self.part = loader()
+            raw = self.part.vectors if hasattr(self.part, "vectors") else self.part
+            self.vectors = np.ascontiguousarray(raw, dtype=np.float32)
 
         def count(self) -> int:
             return len(self.vectors)
@@ -63,9 +67,9 @@ def _shard_actor() -> Any:
         def assign_partial(self, centroids: Matrix) -> PartialSums:
             return partial_sums(self.vectors, centroids)
 
-        def call(self, fn: Callable[[Matrix], Any], *args: Any) -> Any:
-            """Run fn(vectors, *args) where the partition lives (list assignment, shard building)."""
-            return fn(self.vectors, *args)
+        def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+            """Run fn(partition, *args) where the partition lives (list assignment, shard blocks)."""
+            return fn(self.part, *args)
 
     return Shard
 
@@ -111,7 +115,7 @@ class RayData:
         return total
 
     def map(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """fn(vectors, *args) on every partition, results in partition order."""
+        """fn(partition, *args) on every partition, results in partition order."""
         import ray
 
         refs = [ray.put(a) for a in args]

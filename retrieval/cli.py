@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from indexing.commands import add_commands as add_index_commands
 from pipelines.commands import add_commands as add_pipeline_commands
 
 
@@ -15,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     add_pipeline_commands(sub)
+    add_index_commands(sub)
     return parser
 
 

@@ -75,6 +75,18 @@ def broker() -> Iterator[str]:
     proc.wait(10)
 
 
+@pytest.fixture(scope="session")
+def ray_local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Local Ray, two CPUs, its files under the test session's temp dir."""
+    import ray
+
+    from indexing.distributed import start_ray
+
+    start_ray(work_dir=Path("/tmp") / f"ray-{tmp_path_factory.getbasetemp().name}", num_cpus=2)
+    yield
+    ray.shutdown()
+
+
 @dataclass(frozen=True)
 class S3Server:
     endpoint: str

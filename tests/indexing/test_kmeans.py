@@ -1,8 +1,5 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -60,17 +57,6 @@ def test_samples_do_not_depend_on_partitioning() -> None:
     local = split_indices(idx, [len(p) for p in parts])
     np.testing.assert_array_equal(np.concatenate([p[i] for p, i in zip(parts, local, strict=True)]), x[idx])
     np.testing.assert_array_equal(LocalData(x).sample(50, 7), x[idx])
-
-
-@pytest.fixture(scope="module")
-def ray_local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    import ray
-
-    from indexing.distributed import start_ray
-
-    start_ray(work_dir=Path("/tmp") / f"ray-{tmp_path_factory.getbasetemp().name}", num_cpus=2)
-    yield
-    ray.shutdown()
 
 
 def test_ray_and_local_paths_agree(ray_local: None) -> None:

@@ -1,0 +1,257 @@
+"""Build an IVF index from a lake snapshot: k-means → list assignment → shards → manifest.
+
+Stages, each idempotent: centroids (trained, or reused while they still fit) → every
+partition assigns its vectors to lists where it lives → lists are grouped into shards of
+a target size → shards are built in parallel by Ray tasks that receive their vectors
+straight from the partitions' actors (nothing funnels through the driver) and write to
+object storage → the manifest is published last.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import partial
+from typing import Any
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from indexing.distributed import RayData
+from indexing.kmeans import KMeansResult, nearest, train_kmeans
+from indexing.manifest import FileRef, Manifest, ShardRef, get_verified, load_manifest, put_file
+from indexing.snapshot import Partition, Snapshot, load_partition
+from indexing.store import ObjectStore, open_store
+from pipelines.storage import ObjectStoreSettings
+
+log = logging.getLogger(__name__)
+
+METRIC = "l2"  # on unit vectors: same order as cosine; cosine = 1 - d / 2
+
+
+class BuildError(Exception):
+    """The index could not be built; nothing was published."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    nlist: int | None = None
+    iterations: int = 20
+    seed: int = 1234
+    shard_bytes: int = 64 << 20
+    partitions: int | None = None
+    reuse_centroids: bool = False
+    #: retrain when quantization error grew by more than this fraction since training
+    drift_threshold: float = 0.10
+    progress: bool = True
+
+
+def choose_nlist(n: int) -> int:
+    """About 4·√N lists, at least 1, at most N/8 (lists need members) and 65536."""
+    return int(max(1, min(round(4 * math.sqrt(n)), n // 8, 65536)))
+
+
+def plan_shards(counts: np.ndarray, dim: int, shard_bytes: int) -> list[tuple[int, int]]:
+    """Contiguous list ranges whose vectors fill about ``shard_bytes`` each."""
+    ranges: list[tuple[int, int]] = []
+    start, size = 0, 0
+    per_vector = dim * 4 + 8
+    for list_no, count in enumerate(counts):
+        size += int(count) * per_vector
+        if size >= shard_bytes:
+            ranges.append((start, list_no + 1))
+            start, size = list_no + 1, 0
+    if start < len(counts):
+        ranges.append((start, len(counts)))
+    return ranges
+
+
+# -- functions that run where the data lives ------------------------------------------
+
+
+def _assign(part: Partition, centroids: np.ndarray) -> tuple[np.ndarray, float]:
+    dist, labels = nearest(part.vectors, centroids)
+    part.labels = labels
+    return np.bincount(labels, minlength=len(centroids)), float(dist.astype(np.float64).sum())
+
+
+def _blocks(part: Partition, ranges: list[tuple[int, int]]) -> list[Any]:
+    """This partition's rows of each shard, as Ray objects (handed to shard tasks directly)."""
+    import ray
+
+    assert part.labels is not None
+    refs = []
+    for start, end in ranges:
+        sel = np.flatnonzero((part.labels >= start) & (part.labels < end))
+        refs.append(ray.put((part.vectors[sel], part.labels[sel], part.rows.take(pa.array(sel)))))
+    return refs
+
+
+def build_shard(
+    store_uri: str, settings: ObjectStoreSettings, prefix: str, start: int, end: int, nlist: int, dim: int,
+    *blocks: tuple[np.ndarray, np.ndarray, pa.Table],
+) -> ShardRef:  # fmt: skip
+    """One IVF shard (lists [start, end)) and its id map, written to the store."""
+    store = open_store(store_uri, settings)
+    vectors = np.concatenate([b[0] for b in blocks]) if blocks else np.zeros((0, dim), np.float32)
+    labels = np.concatenate([b[1] for b in blocks]) if blocks else np.zeros(0, np.int64)
+    rows = pa.concat_tables([b[2] for b in blocks])
+    order = np.argsort(labels, kind="stable")
+    vectors, labels, rows = np.ascontiguousarray(vectors[order]), labels[order], rows.take(pa.array(order))
+    index = faiss.IndexIVFFlat(faiss.IndexFlatL2(dim), dim, nlist, faiss.METRIC_L2)
+    index.is_trained = True  # the coarse quantizer lives in the manifest's centroids
+    ids = np.arange(len(vectors), dtype=np.int64)
+    bounds = np.searchsorted(labels, np.arange(start, end + 1))
+    for list_no, (lo, hi) in zip(range(start, end), zip(bounds[:-1], bounds[1:], strict=True), strict=True):
+        if hi > lo:
+            list_ids = np.ascontiguousarray(ids[lo:hi])
+            codes = np.ascontiguousarray(vectors[lo:hi]).view(np.uint8).ravel()
+            index.invlists.add_entries(int(list_no), int(hi - lo), faiss.swig_ptr(list_ids), faiss.swig_ptr(codes))
+    index.ntotal = len(vectors)
+    blob = faiss.serialize_index(index).tobytes()
+    rows = rows.append_column("faiss_id", pa.array(ids)).append_column("list_no", pa.array(labels, pa.int32()))
+    sink = io.BytesIO()
+    pq.write_table(rows, sink, compression="zstd")
+    name = f"{prefix}/shard-{start:06d}-{end:06d}"
+    index_ref = put_file(store, f"{name}.faiss", blob)
+    ids_ref = put_file(store, f"{name}.ids.parquet", sink.getvalue())
+    return ShardRef(index_ref, ids_ref, start, end, len(vectors))
+
+
+# -- the driver ------------------------------------------------------------------------
+
+
+def _centroids(
+    data: RayData, snap: Snapshot, store: ObjectStore, opts: BuildOptions
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Reuse the previous build's centroids while they still fit, else train new ones."""
+    stats: dict[str, Any] = {}
+    if opts.reuse_centroids:
+        try:
+            prev = load_manifest(store)
+        except Exception as exc:  # noqa: BLE001 - no previous build: train
+            stats["retrained_reason"] = f"no previous version to reuse ({exc})"
+        else:
+            if prev.model != snap.model:
+                stats["retrained_reason"] = f"model changed from {prev.model}"
+            else:
+                centroids = np.load(io.BytesIO(get_verified(store, prev.centroids)))
+                if opts.nlist is None or opts.nlist == len(centroids):
+                    part = data.assign_partial(centroids)
+                    error = part.objective / max(1, snap.count)
+                    trained = float(prev.stats.get("trained_quantization_error", error))
+                    drift = (error - trained) / trained if trained > 0 else 0.0
+                    stats.update(
+                        reused_from_version=prev.version,
+                        drift=round(drift, 4),
+                        trained_quantization_error=trained,
+                        trained_imbalance=prev.stats.get("trained_imbalance"),
+                        trained_at_lake_version=prev.stats.get("trained_at_lake_version"),
+                    )
+                    if drift <= opts.drift_threshold:
+                        return centroids.astype(np.float32), stats
+                    stats["retrained_reason"] = f"quantization error drifted {drift:.1%} > {opts.drift_threshold:.0%}"
+                else:
+                    stats["retrained_reason"] = f"nlist changed from {len(centroids)}"
+        log.info("retraining centroids: %s", stats["retrained_reason"])
+    nlist = opts.nlist or choose_nlist(snap.count)
+    result: KMeansResult = train_kmeans(data, nlist, opts.iterations, seed=opts.seed, progress=opts.progress)
+    stats.update(
+        trained_quantization_error=result.objective / snap.count,
+        trained_imbalance=result.imbalance,
+        trained_at_lake_version=snap.version,
+        kmeans_objective=result.objective,
+        kmeans_iterations=result.iterations,
+        kmeans_seconds=round(result.seconds, 3),
+    )
+    return result.centroids, stats
+
+
+def build_index(
+    snap: Snapshot, store_uri: str, settings: ObjectStoreSettings, opts: BuildOptions = BuildOptions()
+) -> Manifest:
+    """Build and write every file of a new index version; return its (unpublished) manifest."""
+    import ray
+
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    store = open_store(store_uri, settings)
+    n_parts = opts.partitions or max(1, int(ray.available_resources().get("CPU", 1)))
+    parts = snap.partitions(n_parts)
+    data = RayData([partial(load_partition, snap.lake, snap.version, p) for p in parts])
+    try:
+        if data.count() != snap.count:
+            raise BuildError(f"read {data.count()} vectors but the snapshot has {snap.count}.")
+        timings["load_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        centroids, stats = _centroids(data, snap, store, opts)
+        timings["centroids_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        assigned = data.map(_assign, centroids)
+        counts = np.sum([c for c, _ in assigned], axis=0)
+        error = sum(o for _, o in assigned) / snap.count
+        ranges = plan_shards(counts, snap.dim, opts.shard_bytes)
+        timings["assign_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        build_id = f"{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+        prefix = f"builds/{build_id}"
+        sink = io.BytesIO()
+        np.save(sink, centroids.astype(np.float32))
+        centroids_ref = put_file(store, f"{prefix}/centroids.npy", sink.getvalue())
+        per_part = data.map(_blocks, ranges)  # [partition][shard] → Ray object refs
+        task = ray.remote(build_shard)
+        futures = [
+            task.remote(store_uri, settings, prefix, start, end, len(centroids), snap.dim,
+                        *[blocks[i] for blocks in per_part])
+            for i, (start, end) in enumerate(ranges)
+        ]  # fmt: skip
+        shards: list[ShardRef] = []
+        with tqdm(total=len(futures), desc="shards", disable=not opts.progress, leave=False) as bar:
+            pending = list(futures)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                bar.update(len(done))
+            shards = list(ray.get(futures))
+        timings["shards_s"] = time.perf_counter() - t
+    finally:
+        data.close()
+
+    nonempty = counts[counts > 0]
+    imbalance = float(len(counts) * np.square(counts.astype(np.float64)).sum() / float(counts.sum()) ** 2)
+    stats.update(
+        quantization_error=error,
+        imbalance=imbalance,
+        empty_lists=int(len(counts) - len(nonempty)),
+        largest_list=int(counts.max()),
+        timings={k: round(v, 3) for k, v in timings.items()},
+        partitions=len(parts),
+    )
+    return Manifest(
+        version=0,
+        build_id=build_id,
+        created_at=datetime.now(UTC).isoformat(),
+        lake_uri=snap.lake.uri,
+        lake_version=snap.version,
+        model=snap.model,
+        dim=snap.dim,
+        metric=METRIC,
+        nlist=len(centroids),
+        count=snap.count,
+        centroids=centroids_ref,
+        shards=shards,
+        stats=stats,
+    )
+
+
+__all__ = ["BuildError", "BuildOptions", "FileRef", "build_index", "choose_nlist", "plan_shards"]

@@ -1,0 +1,164 @@
+"""Index versions in object storage, published atomically.
+
+Layout under the index URI::
+
+    builds/<build-id>/centroids.npy           written first
+    builds/<build-id>/shard-00000.faiss       IVF lists [a, b) of the coarse quantizer
+    builds/<build-id>/shard-00000.ids.parquet faiss id → chunk version and lineage
+    versions/00000007.json                    the manifest: written last, if absent
+    LATEST                                    "7": a hint, advanced after the manifest
+
+A version exists once its manifest exists, and a manifest is only written after every
+file it names; claiming a number uses put-if-absent, so two builders can't both publish
+version 7. Readers take the greatest manifest number (``LATEST`` only saves a listing),
+so a builder killed anywhere leaves readers on the previous complete version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from indexing.store import AlreadyExists, NotFound, ObjectStore
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_VERSION_KEY = re.compile(r"^versions/(\d{8})\.json$")
+
+
+class ManifestError(Exception):
+    """No usable index version, or a manifest that does not match its files."""
+
+
+@dataclass(frozen=True)
+class FileRef:
+    key: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    index: FileRef
+    ids: FileRef
+    list_start: int  # first IVF list in the shard
+    list_end: int  # one past the last
+    count: int
+
+
+@dataclass
+class Manifest:
+    version: int
+    build_id: str
+    created_at: str
+    lake_uri: str
+    lake_version: int
+    model: str
+    dim: int
+    metric: str
+    nlist: int
+    count: int
+    centroids: FileRef
+    shards: list[ShardRef]
+    stats: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Manifest:
+        obj = json.loads(raw)
+        if obj.get("format_version") != FORMAT_VERSION:
+            raise ManifestError(f"manifest format {obj.get('format_version')} is not {FORMAT_VERSION}.")
+        obj["centroids"] = FileRef(**obj["centroids"])
+        obj["shards"] = [
+            ShardRef(FileRef(**s["index"]), FileRef(**s["ids"]), s["list_start"], s["list_end"], s["count"])
+            for s in obj["shards"]
+        ]
+        return cls(**obj)
+
+    def shard_for_list(self, list_no: int) -> int:
+        for i, shard in enumerate(self.shards):
+            if shard.list_start <= list_no < shard.list_end:
+                return i
+        raise ManifestError(f"list {list_no} is in no shard of version {self.version}.")
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def put_file(store: ObjectStore, key: str, data: bytes) -> FileRef:
+    store.put(key, data)
+    return FileRef(key, len(data), sha256(data))
+
+
+def get_verified(store: ObjectStore, ref: FileRef) -> bytes:
+    data = store.get(ref.key)
+    if len(data) != ref.bytes or sha256(data) != ref.sha256:
+        raise ManifestError(f"{store.uri(ref.key)} does not match its manifest checksum; refusing to use it.")
+    return data
+
+
+def versions(store: ObjectStore) -> list[int]:
+    found = []
+    for key in store.list("versions/"):
+        match = _VERSION_KEY.match(key)
+        if match:
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def latest_version(store: ObjectStore) -> int | None:
+    found = versions(store)
+    return found[-1] if found else None
+
+
+def load_manifest(store: ObjectStore, version: int | None = None) -> Manifest:
+    """The manifest of ``version``, or of the newest complete version."""
+    if version is None:
+        version = latest_version(store)
+        if version is None:
+            raise ManifestError(f"no index version under {store.root}; run `streamrag index build` first.")
+    try:
+        return Manifest.from_json(store.get(f"versions/{version:08d}.json"))
+    except NotFound as exc:
+        raise ManifestError(f"index version {version} does not exist under {store.root}.") from exc
+
+
+def publish(store: ObjectStore, manifest: Manifest) -> int:
+    """Claim the next version number for a manifest whose files are all written."""
+    number = (latest_version(store) or 0) + 1
+    while True:
+        manifest.version = number
+        try:
+            store.put(f"versions/{number:08d}.json", manifest.to_json(), if_absent=True)
+            break
+        except AlreadyExists:
+            number += 1  # another builder published meanwhile: take the next number
+    store.put("LATEST", str(number).encode())
+    log.info("published index version %d (%d vectors, %d shards)", number, manifest.count, len(manifest.shards))
+    return number
+
+
+def collect_garbage(store: ObjectStore, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` versions and their build files; return deleted versions."""
+    if keep < 1:
+        raise ManifestError("--keep must be at least 1.")
+    numbers = versions(store)
+    doomed = numbers[:-keep]
+    live_builds = {load_manifest(store, n).build_id for n in numbers[-keep:]}
+    for number in doomed:
+        manifest = load_manifest(store, number)
+        store.delete(f"versions/{number:08d}.json")
+        if manifest.build_id not in live_builds:
+            for key in list(store.list(f"builds/{manifest.build_id}/")):
+                store.delete(key)
+    # Files of builds that never published are left alone: one may be in progress.
+    return doomed

@@ -1,0 +1,109 @@
+"""A snapshot of the lake at one Delta version, planned for builders to read in parallel.
+
+The driver reads only small metadata columns (ids, positions, ops, models) to decide which
+rows are live (latest version of each chunk, deletes removed); vectors are read later,
+by each builder straight from the lake files of its own partition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipelines.lake import CHUNKS, Lake, LakeError, embeddings, latest_rows
+
+#: What a shard's id map keeps of each chunk: enough to answer and to trace lineage.
+ROW_COLUMNS = [
+    "chunk_id", "doc_id", "source_table", "source_pk", "position", "chunk_index", "title", "text",
+    "content_hash", "acl", "kafka_topic", "kafka_partition", "kafka_offset", "event_time", "ingest_time",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FileRows:
+    """Live rows of one lake file (row numbers within the file)."""
+
+    path: str
+    rows: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    lake: Lake
+    version: int
+    model: str
+    dim: int
+    count: int
+    files: tuple[FileRows, ...]
+
+    def partitions(self, n: int) -> list[list[FileRows]]:
+        """Files spread over n partitions, balanced by live rows (largest first)."""
+        parts: list[list[FileRows]] = [[] for _ in range(max(1, n))]
+        loads = [0] * len(parts)
+        for f in sorted(self.files, key=lambda f: -len(f.rows)):
+            i = loads.index(min(loads))
+            parts[i].append(f)
+            loads[i] += len(f.rows)
+        return [p for p in parts if p]
+
+
+@dataclass
+class Partition:
+    """What one builder holds: vectors and their rows' metadata, in the same order."""
+
+    vectors: np.ndarray
+    rows: pa.Table
+    labels: np.ndarray | None = None
+
+
+def plan(lake: Lake, version: int | None = None) -> Snapshot:
+    """Decide the live rows at ``version`` (latest by default) from metadata alone."""
+    table = lake.table(CHUNKS, version)
+    dataset = table.to_pyarrow_dataset()
+    pieces = []
+    for fragment in dataset.get_fragments():
+        meta = fragment.to_table(columns=["chunk_id", "position", "ingest_time", "op", "model"])
+        n = meta.num_rows
+        meta = meta.append_column("_file", pa.array([fragment.path] * n, pa.string()))
+        pieces.append(meta.append_column("_row", pa.array(np.arange(n, dtype=np.int64))))
+    if not pieces:
+        raise LakeError(f"the lake at {lake.uri} has no chunks at version {table.version()}; ingest first.")
+    meta = pa.concat_tables(pieces)
+    live = latest_rows(meta)
+    live = live.filter(pc.equal(live.column("op"), "upsert"))
+    if live.num_rows == 0:
+        raise LakeError(f"the lake at {lake.uri} has no live chunks at version {table.version()}.")
+    models = set(live.column("model").to_pylist())
+    if len(models) != 1 or None in models:
+        raise LakeError(
+            f"the live chunks at version {table.version()} were embedded by {len(models)} models "
+            f"({sorted(str(m) for m in models)}); an index needs one. Re-ingest into a new lake."
+        )
+    model = str(models.pop())
+    dim = int(model.rsplit("/", 1)[1])
+    by_file: dict[str, list[int]] = {}
+    for path, row in zip(live.column("_file").to_pylist(), live.column("_row").to_pylist(), strict=True):
+        by_file.setdefault(path, []).append(int(row))
+    files = tuple(FileRows(p, tuple(sorted(r))) for p, r in sorted(by_file.items()))
+    return Snapshot(lake, table.version(), model, dim, live.num_rows, files)
+
+
+def load_partition(lake: Lake, version: int, files: list[FileRows]) -> Partition:
+    """Read one partition's live rows (vectors + metadata) straight from the lake files."""
+    dataset = lake.table(CHUNKS, version).to_pyarrow_dataset()
+    wanted = {f.path: f.rows for f in files}
+    tables = []
+    for fragment in dataset.get_fragments():
+        rows = wanted.get(fragment.path)
+        if rows is None:
+            continue
+        data = fragment.to_table(columns=[*ROW_COLUMNS, "embedding"])
+        tables.append(data.take(pa.array(rows, pa.int64())))
+    if len(tables) != len(wanted):
+        raise LakeError(f"{len(wanted) - len(tables)} lake files of version {version} were not found.")
+    table = pa.concat_tables(tables)
+    vectors = embeddings(table)
+    return Partition(np.ascontiguousarray(vectors, dtype=np.float32), table.drop_columns(["embedding"]))

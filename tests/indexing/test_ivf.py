@@ -1,0 +1,177 @@
+"""IVF builds on Ray from seeded lakes: recall against exact search, publishing, drift."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+
+from indexing.ivf import BuildOptions, build_index, choose_nlist, plan_shards
+from indexing.manifest import ManifestError, collect_garbage, latest_version, load_manifest, publish, versions
+from indexing.reader import IndexReader
+from indexing.snapshot import plan
+from indexing.store import LocalStore, StoreUnavailable
+from pipelines.lake import CHUNKS, LakeError
+from pipelines.lake_writer import LakeWriter
+from pipelines.storage import ObjectStoreSettings
+from tests.indexing.lakes import chunk_rows, synthetic_lake
+
+OPTS = BuildOptions(nlist=64, iterations=15, shard_bytes=200_000, progress=False)
+NONE = ObjectStoreSettings()
+
+
+def recall_at_10(reader: IndexReader, x: np.ndarray, queries: np.ndarray, nprobe: int) -> float:
+    exact = faiss.IndexFlatL2(x.shape[1])
+    exact.add(x)
+    _, truth = exact.search(queries, 10)
+    hits = reader.search(queries, 10, nprobe)
+    found = 0
+    for q, row in enumerate(hits):
+        got = {int(r["chunk_id"][1:]) for r in reader.rows(row)}
+        found += len(got & set(truth[q].tolist()))
+    return found / truth.size
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory, ray_local: None) -> tuple[IndexReader, np.ndarray, LocalStore]:
+    tmp = tmp_path_factory.mktemp("ivf")
+    lake, x = synthetic_lake(str(tmp / "lake"))
+    store = LocalStore(str(tmp / "index"))
+    manifest = build_index(plan(lake), store.root, NONE, OPTS)
+    publish(store, manifest)
+    return IndexReader(store), x, store
+
+
+def test_every_live_vector_is_indexed_once(built) -> None:
+    reader, x, _ = built
+    m = reader.manifest
+    assert m.count == len(x) == sum(s.count for s in m.shards)
+    assert len(m.shards) > 1, "the small shard size should have produced several shards"
+    assert [s.list_start for s in m.shards] == [0] + [s.list_end for s in m.shards[:-1]]
+    ids = [cid for i in range(len(m.shards)) for cid in reader.shard(i).ids.column("chunk_id").to_pylist()]
+    assert len(ids) == len(set(ids)) == len(x)
+    assert m.stats["imbalance"] >= 1.0 and m.stats["quantization_error"] > 0
+
+
+def test_recall_against_exact_search_rises_with_nprobe(built) -> None:
+    reader, x, _ = built
+    queries = x[np.random.default_rng(1).choice(len(x), 200, replace=False)] + 0.01
+    queries = (queries / np.linalg.norm(queries, axis=1, keepdims=True)).astype(np.float32)
+    recalls = [recall_at_10(reader, x, queries, nprobe) for nprobe in (1, 2, 4, 8, 16, 64)]
+    assert all(b >= a for a, b in zip(recalls, recalls[1:], strict=False)), recalls
+    assert recalls[-1] == 1.0  # all lists probed: exact
+    assert recalls[3] >= 0.9, recalls
+
+
+def test_a_vector_finds_itself_with_its_lineage(built) -> None:
+    reader, x, _ = built
+    hits = reader.search(x[123:124], 1, nprobe=4)[0]
+    row = reader.rows(hits)[0]
+    assert row["chunk_id"] == "c0000123" and row["source_pk"] == "123" and row["score"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_corrupted_shard_is_refused(built, tmp_path: Path) -> None:
+    _, _, store = built
+    reader = IndexReader(store)
+    key = reader.manifest.shards[0].index.key
+    original = store.get(key)
+    try:
+        store.put(key, original[:-1] + bytes([original[-1] ^ 1]))
+        with pytest.raises(ManifestError, match="checksum"):
+            IndexReader(store).shard(0)
+    finally:
+        store.put(key, original)
+
+
+def test_deletes_and_updates_after_a_snapshot(tmp_path: Path, ray_local: None) -> None:
+    lake, x = synthetic_lake(str(tmp_path / "lake"), n=1000, files=2)
+    writer = LakeWriter(lake, CHUNKS, "more", None)
+    writer.write(chunk_rows(x[:10], start=0, op="delete", position="pg:00000000000000000200"))
+    snap = plan(lake)
+    assert snap.count == 990
+    old = plan(lake, version=snap.version - 1)
+    assert old.count == 1000  # time travel: the version before the deletes
+
+
+def test_empty_and_mixed_model_lakes_are_refused(tmp_path: Path) -> None:
+    lake, x = synthetic_lake(str(tmp_path / "lake"), n=100, files=1)
+    LakeWriter(lake, CHUNKS, "other", None).write(chunk_rows(x[:5], start=5000, model="other@ffff/32"))
+    with pytest.raises(LakeError, match="embedded by 2 models"):
+        plan(lake)
+    with pytest.raises(LakeError, match="no chunks at version 0"):
+        plan(lake, version=0)
+
+
+def test_store_failure_mid_build_publishes_nothing(tmp_path: Path, ray_local: None) -> None:
+    lake, _ = synthetic_lake(str(tmp_path / "lake"), n=600, files=2)
+    store = LocalStore(str(tmp_path / "index"))
+    snap = plan(lake)
+    publish(store, build_index(snap, store.root, NONE, BuildOptions(nlist=8, progress=False)))
+    builds = tmp_path / "index" / "builds"
+    builds.rename(tmp_path / "saved")
+    builds.write_text("not a directory: every write under builds/ now fails")
+    try:
+        with pytest.raises(StoreUnavailable, match="cannot write"):
+            build_index(snap, store.root, NONE, BuildOptions(nlist=8, progress=False))
+    finally:
+        builds.unlink()
+        (tmp_path / "saved").rename(builds)
+    assert versions(store) == [1]
+    reader = IndexReader(store)
+    assert reader.manifest.version == 1 and reader.shard(0).ids.num_rows > 0
+
+
+def test_files_written_but_not_published_are_invisible(tmp_path: Path, ray_local: None) -> None:
+    lake, _ = synthetic_lake(str(tmp_path / "lake"), n=600, files=2)
+    store = LocalStore(str(tmp_path / "index"))
+    snap = plan(lake)
+    first = build_index(snap, store.root, NONE, BuildOptions(nlist=8, progress=False))
+    publish(store, first)
+    orphan = build_index(snap, store.root, NONE, BuildOptions(nlist=8, progress=False))  # "killed" here
+    assert list(store.list(f"builds/{orphan.build_id}/"))
+    assert IndexReader(store).manifest.build_id == first.build_id
+
+
+def test_publish_claims_the_next_number_and_gc_keeps_the_newest(tmp_path: Path, ray_local: None) -> None:
+    lake, _ = synthetic_lake(str(tmp_path / "lake"), n=600, files=2)
+    store = LocalStore(str(tmp_path / "index"))
+    snap = plan(lake)
+    manifests = [build_index(snap, store.root, NONE, BuildOptions(nlist=8, progress=False)) for _ in range(3)]
+    assert [publish(store, m) for m in manifests] == [1, 2, 3]
+    assert latest_version(store) == 3 and store.get("LATEST") == b"3"
+    assert collect_garbage(store, keep=1) == [1, 2]
+    assert versions(store) == [3]
+    assert not list(store.list(f"builds/{manifests[0].build_id}/"))
+    assert IndexReader(store).manifest.build_id == manifests[2].build_id
+    with pytest.raises(ManifestError, match="does not exist"):
+        load_manifest(store, 1)
+
+
+def test_reuse_centroids_until_the_data_drifts(tmp_path: Path, ray_local: None) -> None:
+    lake, x = synthetic_lake(str(tmp_path / "lake"), n=2000, files=2, seed=0)
+    store = LocalStore(str(tmp_path / "index"))
+    opts = BuildOptions(nlist=16, progress=False, reuse_centroids=True)
+    first = build_index(plan(lake), store.root, NONE, opts)
+    publish(store, first)
+    assert "trained_quantization_error" in first.stats
+    # Same distribution: the old centroids still fit and are reused.
+    writer = LakeWriter(lake, CHUNKS, "more", None)
+    writer.write(chunk_rows(x[:200] * 1.0, start=10_000))
+    second = build_index(plan(lake), store.root, NONE, opts)
+    publish(store, second)
+    assert second.stats.get("reused_from_version") == 1 and "retrained_reason" not in second.stats
+    # A new topic arrives: quantization error jumps, so the builder retrains.
+    rng = np.random.default_rng(9)
+    shifted = rng.standard_normal((3000, x.shape[1])).astype(np.float32)
+    shifted /= np.linalg.norm(shifted, axis=1, keepdims=True)
+    writer.write(chunk_rows(shifted, start=20_000))
+    third = build_index(plan(lake), store.root, NONE, opts)
+    assert "drifted" in third.stats["retrained_reason"]
+
+
+def test_nlist_and_shard_planning() -> None:
+    assert choose_nlist(1_000_000) == 4000 and choose_nlist(10) == 1 and choose_nlist(100) == 12
+    assert plan_shards(np.array([10, 10, 10, 10]), 4, 24 * 20) == [(0, 2), (2, 4)]
+    assert plan_shards(np.array([0, 0]), 4, 100) == [(0, 2)]
