@@ -10,6 +10,7 @@ object storage → the manifest is published last.
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import math
 import time
@@ -110,11 +111,12 @@ def build_shard(
     index.is_trained = True  # the coarse quantizer lives in the manifest's centroids
     ids = np.arange(len(vectors), dtype=np.int64)
     bounds = np.searchsorted(labels, np.arange(start, end + 1))
-    for list_no, (lo, hi) in zip(range(start, end), zip(bounds[:-1], bounds[1:], strict=True), strict=True):
+    invlists: Any = index.invlists
+    for list_no, (lo, hi) in zip(range(start, end), itertools.pairwise(bounds), strict=True):
         if hi > lo:
             list_ids = np.ascontiguousarray(ids[lo:hi])
             codes = np.ascontiguousarray(vectors[lo:hi]).view(np.uint8).ravel()
-            index.invlists.add_entries(int(list_no), int(hi - lo), faiss.swig_ptr(list_ids), faiss.swig_ptr(codes))
+            invlists.add_entries(int(list_no), int(hi - lo), faiss.swig_ptr(list_ids), faiss.swig_ptr(codes))
     index.ntotal = len(vectors)
     blob = faiss.serialize_index(index).tobytes()
     rows = rows.append_column("faiss_id", pa.array(ids)).append_column("list_no", pa.array(labels, pa.int32()))
@@ -184,7 +186,8 @@ def build_index(
     timings: dict[str, float] = {}
     t = time.perf_counter()
     store = open_store(store_uri, settings)
-    n_parts = opts.partitions or max(1, int(ray.available_resources().get("CPU", 1)))
+    resources: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
+    n_parts = opts.partitions or max(1, int(resources.get("CPU", 1)))
     parts = snap.partitions(n_parts)
     data = RayData([partial(load_partition, snap.lake, snap.version, p) for p in parts])
     try:

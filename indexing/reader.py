@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from typing import Any
 
 import faiss
 import numpy as np
@@ -21,7 +22,7 @@ from indexing.store import ObjectStore
 
 @dataclass
 class LoadedShard:
-    index: faiss.IndexIVF
+    index: Any  # faiss.IndexIVFFlat (the SWIG stubs don't know the numpy wrappers)
     ids: pa.Table
 
 

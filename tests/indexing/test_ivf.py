@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import faiss
@@ -60,7 +61,7 @@ def test_recall_against_exact_search_rises_with_nprobe(built) -> None:
     queries = x[np.random.default_rng(1).choice(len(x), 200, replace=False)] + 0.01
     queries = (queries / np.linalg.norm(queries, axis=1, keepdims=True)).astype(np.float32)
     recalls = [recall_at_10(reader, x, queries, nprobe) for nprobe in (1, 2, 4, 8, 16, 64)]
-    assert all(b >= a for a, b in zip(recalls, recalls[1:], strict=False)), recalls
+    assert all(b >= a for a, b in itertools.pairwise(recalls)), recalls
     assert recalls[-1] == 1.0  # all lists probed: exact
     assert recalls[3] >= 0.9, recalls
 
