@@ -37,6 +37,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """The broker must not outlive whoever started it, even after a kill -9."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def start_broker(
     port: int = 9092, host: str = "127.0.0.1", storage: str = "memory://tansu/", timeout_s: float = 15.0
 ) -> subprocess.Popen[bytes]:
@@ -68,6 +76,7 @@ def start_broker(
             stdout=subprocess.DEVNULL,
             stderr=errors,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         _wait_listening(proc, host, port, timeout_s, errors)
     return proc

@@ -59,16 +59,17 @@ def add_commands(sub: Any) -> None:
 def cmd_broker(args: argparse.Namespace) -> int:
     from pipelines.broker import start_broker
 
-    proc = start_broker(args.port, args.host)
-    print(f"{args.host}:{args.port}", flush=True)
-    log.info("Tansu broker (memory storage) on %s:%d; Ctrl-C or SIGTERM stops it", args.host, args.port)
     stop = {"flag": False}
 
     def on_signal(_signum: int, _frame: object) -> None:
         stop["flag"] = True
 
+    # Handlers first: a SIGTERM right after the address is printed must still stop cleanly.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    proc = start_broker(args.port, args.host)
+    print(f"{args.host}:{args.port}", flush=True)
+    log.info("Tansu broker (memory storage) on %s:%d; Ctrl-C or SIGTERM stops it", args.host, args.port)
     while not stop["flag"] and proc.poll() is None:
         try:
             proc.wait(timeout=0.5)

@@ -33,6 +33,27 @@ def test_broker_prints_its_address_and_stops_cleanly_on_sigterm() -> None:
         proc.communicate()
 
 
+def test_broker_dies_with_its_command_even_after_kill_9() -> None:
+    import os
+    import socket
+
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "broker", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(15)
+    proc.stdout.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        except OSError:
+            return  # Tansu is gone too
+        time.sleep(0.2)
+    pytest.fail("Tansu outlived the broker command")
+
+
 def test_broker_refuses_a_port_in_use(broker: str) -> None:
     out = cli("broker", "--port", broker.rsplit(":", 1)[1], timeout=30)
     assert out.returncode == 1 and "already in use" in out.stderr

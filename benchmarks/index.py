@@ -1,0 +1,204 @@
+"""Index benchmarks: one JSON line per figure, each against a baseline measured in the same run.
+
+    .venv/bin/python benchmarks/index.py                      # 200k x 384 synthetic vectors
+    .venv/bin/python benchmarks/index.py --n 1000000          # the 1M figure (minutes on 2 cores)
+
+Sections
+- kmeans: distributed k-means on local Ray (the builder's code path) vs single-process
+  ``faiss.Kmeans`` at the same nlist and iterations: wall time, peak RSS of all processes,
+  objective ratio. Targets: <= 1.3x time, objective within 1%.
+- recall: the IVF shards built from those centroids, searched through ``IndexReader``
+  (the retrieval path: coarse search + ``search_preassigned`` per shard): recall@10 vs
+  exact flat search and queries/s at nprobe 4/8/16/32, vs a single faiss IndexIVFFlat on
+  the same centroids.
+- gpu: faiss-gpu k-means vs CPU on --gpu-n vectors; prints a skip line without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import faiss
+import numpy as np
+import psutil
+import pyarrow as pa
+
+from indexing.distributed import RayData, start_ray
+from indexing.ivf import build_shard, choose_nlist, plan_shards
+from indexing.kmeans import nearest, partial_sums, train_kmeans
+from indexing.manifest import Manifest, publish, put_file
+from indexing.reader import IndexReader
+from indexing.store import LocalStore
+from pipelines.storage import ObjectStoreSettings
+
+
+def emit(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def synthetic(n: int, d: int, topics: int, seed: int) -> np.ndarray:
+    """Unit vectors around many overlapping topics (like sentence embeddings), made in blocks."""
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((topics, d)).astype(np.float32) * 3
+    out = np.empty((n, d), dtype=np.float32)
+    for lo in range(0, n, 100_000):
+        hi = min(n, lo + 100_000)
+        x = centers[rng.integers(0, topics, hi - lo)] + rng.standard_normal((hi - lo, d)).astype(np.float32)
+        out[lo:hi] = x / np.linalg.norm(x, axis=1, keepdims=True)
+    return out
+
+
+class PeakRSS:
+    """Peak resident memory of this process and all its children, sampled every 0.2 s."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            total = 0
+            for p in [me, *me.children(recursive=True)]:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            time.sleep(0.2)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def bench_kmeans(x: np.ndarray, nlist: int, iters: int, partitions: int) -> np.ndarray:
+    parts = np.array_split(x, partitions)
+    with PeakRSS() as ours_mem:
+        t0 = time.perf_counter()
+        data = RayData([(lambda p=p: p) for p in parts])
+        result = train_kmeans(data, nlist, iterations=iters, tol=0.0, seed=1, progress=False)
+        ours = time.perf_counter() - t0
+        data.close()
+    with PeakRSS() as ref_mem:
+        t0 = time.perf_counter()
+        ref = faiss.Kmeans(x.shape[1], nlist, niter=iters, seed=1, max_points_per_centroid=10**9)
+        ref.train(x)
+        base = time.perf_counter() - t0
+    ref_obj = partial_sums(x, ref.centroids).objective
+    emit(bench="kmeans", n=len(x), dim=x.shape[1], nlist=nlist, iterations=iters, partitions=partitions,
+         ray_s=round(ours, 2), faiss_s=round(base, 2), time_ratio=round(ours / base, 3),
+         ray_peak_rss_mb=round(ours_mem.peak / 2**20), faiss_peak_rss_mb=round(ref_mem.peak / 2**20),
+         objective_ratio=round(result.objective / ref_obj, 4), targets="time <= 1.3x, objective within 1%")  # fmt: skip
+    return result.centroids
+
+
+def bench_recall(x: np.ndarray, centroids: np.ndarray, queries: np.ndarray, work: Path) -> None:
+    store = LocalStore(str(work / "index"))
+    _, labels = nearest(x, centroids)
+    counts = np.bincount(labels, minlength=len(centroids))
+    ranges = plan_shards(counts, x.shape[1], 64 << 20)
+    rows = pa.table({"chunk_id": [str(i) for i in range(len(x))]})
+    sink = __import__("io").BytesIO()
+    np.save(sink, centroids)
+    cref = put_file(store, "builds/bench/centroids.npy", sink.getvalue())
+    shards = []
+    for start, end in ranges:
+        sel = np.flatnonzero((labels >= start) & (labels < end))
+        shards.append(build_shard(store.root, ObjectStoreSettings(), "builds/bench", start, end, len(centroids),
+                                  x.shape[1], (x[sel], labels[sel], rows.take(pa.array(sel)))))  # fmt: skip
+    publish(store, Manifest(0, "bench", "", "synthetic", 0, "synthetic", x.shape[1], "l2", len(centroids), len(x),
+                            cref, shards))  # fmt: skip
+    reader = IndexReader(store)
+    for i in range(len(shards)):
+        reader.shard(i)  # warm: fetching is measured by the retrieval benchmarks, not here
+
+    exact = faiss.IndexFlatL2(x.shape[1])
+    exact.add(x)
+    _, truth = exact.search(queries, 10)
+    quantizer = faiss.IndexFlatL2(x.shape[1])
+    quantizer.add(centroids)
+    ivf = faiss.IndexIVFFlat(quantizer, x.shape[1], len(centroids))
+    ivf.is_trained = True
+    ivf.add(x)
+    for nprobe in (4, 8, 16, 32):
+        t0 = time.perf_counter()
+        hits = reader.search(queries, 10, nprobe)
+        ours = time.perf_counter() - t0
+        found = [{int(reader.shard(h.shard).ids.column("chunk_id")[h.faiss_id].as_py()) for h in row} for row in hits]
+        recall = np.mean([len(f & set(t.tolist())) / 10 for f, t in zip(found, truth, strict=True)])
+        ivf.nprobe = nprobe
+        t0 = time.perf_counter()
+        _, ref_ids = ivf.search(queries, 10)
+        base = time.perf_counter() - t0
+        ref_recall = np.mean([len(set(r.tolist()) & set(t.tolist())) / 10 for r, t in zip(ref_ids, truth, strict=True)])
+        emit(bench="ivf_recall", n=len(x), nlist=len(centroids), nprobe=nprobe, queries=len(queries),
+             recall_at_10=round(float(recall), 4), qps=round(len(queries) / ours, 1),
+             faiss_recall_at_10=round(float(ref_recall), 4), faiss_qps=round(len(queries) / base, 1),
+             overhead=round(ours / base, 2))  # fmt: skip
+
+
+def bench_gpu(n: int, d: int, nlist: int, iters: int) -> None:
+    if faiss.get_num_gpus() == 0:
+        emit(bench="kmeans_gpu", skipped="no GPU visible to faiss (install faiss-gpu on a CUDA machine)")
+        return
+    x = synthetic(n, d, 4 * nlist, seed=3)
+    timings = {}
+    for name, gpu in (("gpu", True), ("cpu", False)):
+        t0 = time.perf_counter()
+        km = faiss.Kmeans(d, nlist, niter=iters, seed=1, gpu=gpu, max_points_per_centroid=10**9)
+        km.train(x)
+        timings[name] = time.perf_counter() - t0
+    emit(bench="kmeans_gpu", n=n, dim=d, nlist=nlist, iterations=iters, gpu_s=round(timings["gpu"], 2),
+         cpu_s=round(timings["cpu"], 2), speedup=round(timings["cpu"] / timings["gpu"], 1))  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["kmeans", "recall", "gpu"], action="append")
+    parser.add_argument("--n", type=int, default=200_000)
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--nlist", type=int, help="default: about 4*sqrt(n)")
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--partitions", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--queries", type=int, default=500)
+    parser.add_argument("--gpu-n", type=int, default=10_000_000)
+    args = parser.parse_args()
+    sections = set(args.only or ["kmeans", "recall", "gpu"])
+    nlist = args.nlist or choose_nlist(args.n)
+    with tempfile.TemporaryDirectory(prefix="streamrag-ibench-") as tmp:
+        work = Path(tmp)
+        if sections & {"kmeans", "recall"}:
+            x = synthetic(args.n, args.dim, topics=4 * nlist, seed=0)
+            rng = np.random.default_rng(1)
+            q = (
+                x[rng.choice(len(x), args.queries, replace=False)]
+                + rng.standard_normal((args.queries, args.dim)).astype(np.float32) * 0.05
+            )
+            queries = np.ascontiguousarray(q / np.linalg.norm(q, axis=1, keepdims=True), dtype=np.float32)
+            start_ray(work_dir=work / "ray")
+            centroids = bench_kmeans(x, nlist, args.iterations, args.partitions)
+            if "recall" in sections:
+                bench_recall(x, centroids, queries, work)
+        if "gpu" in sections:
+            bench_gpu(args.gpu_n, args.dim, 4096, args.iterations)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
