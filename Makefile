@@ -38,6 +38,7 @@ lint: venv
 
 bench: venv
 	$(PY) benchmarks/ingest.py
+	$(PY) benchmarks/index.py
 
 demo: venv
 	@echo "make demo arrives with the demo issue; until then follow README 'Try the ingest job'." >&2

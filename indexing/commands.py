@@ -38,7 +38,7 @@ def add_commands(sub: Any) -> None:
 def cmd_index_build(args: argparse.Namespace) -> int:
     from indexing.distributed import start_ray
     from indexing.ivf import BuildOptions, build_index
-    from indexing.manifest import collect_garbage, publish
+    from indexing.manifest import collect_garbage, latest_version, publish
     from indexing.snapshot import plan
     from indexing.store import open_store
     from pipelines.lake import Lake
@@ -46,8 +46,12 @@ def cmd_index_build(args: argparse.Namespace) -> int:
     settings = ObjectStoreSettings.from_env()
     lake = Lake.at(args.lake, settings)
     store = open_store(args.index, settings)
+    previous = latest_version(store)  # fails fast, before any work, when the store is unreachable
     snap = plan(lake, args.lake_version)
-    log.info("lake %s version %d: %d live chunks of %s", lake.uri, snap.version, snap.count, snap.model)
+    log.info(
+        "lake %s version %d: %d live chunks of %s; index store at version %s",
+        lake.uri, snap.version, snap.count, snap.model, previous,
+    )  # fmt: skip
     opts = BuildOptions(
         nlist=args.nlist,
         iterations=args.iterations,

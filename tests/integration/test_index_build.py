@@ -58,3 +58,13 @@ def test_build_on_an_empty_lake_says_so(tmp_path: Path) -> None:
     out = cli("index", "build", "--lake", str(tmp_path / "lake"), "--index", str(tmp_path / "index"))
     assert out.returncode == 1 and "has no chunks" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "index" / "versions").exists()
+
+
+def test_build_fails_fast_when_the_index_store_is_unreachable(tmp_path: Path) -> None:
+    from tests.conftest import free_port
+
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "y", "AWS_REGION": "us-east-1"}  # fmt: skip
+    Lake.at(str(tmp_path / "lake")).ensure_tables(2)
+    out = cli("index", "build", "--lake", str(tmp_path / "lake"), "--index", "s3://bucket/idx", env=env, timeout=300)
+    assert out.returncode == 1 and "cannot reach S3" in out.stderr and "Traceback" not in out.stderr
