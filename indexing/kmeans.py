@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import faiss
 import numpy as np
 import numpy.typing as npt
+import scipy.sparse
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,12 @@ def partial_sums(vectors: Matrix, centroids: Matrix) -> PartialSums:
     if len(vectors) == 0:
         return PartialSums(sums, counts, 0.0)
     dist, idx = nearest(vectors, centroids)
-    np.add.at(sums, idx, vectors.astype(np.float64))
+    # One-hot (k x n) sparse matrix times the vectors: a BLAS-speed scatter-add in float64
+    # (np.add.at is ~20x slower, and float32 accumulation loses precision on big lists).
+    onehot = scipy.sparse.csr_matrix(
+        (np.ones(len(idx), dtype=np.float64), (idx, np.arange(len(idx)))), shape=(k, len(idx))
+    )
+    sums[:] = onehot @ vectors.astype(np.float64)
     counts += np.bincount(idx, minlength=k)
     return PartialSums(sums, counts, float(dist.astype(np.float64).sum()))
 
@@ -147,6 +153,10 @@ def _split_empty(centroids: Matrix, counts: npt.NDArray[np.int64], rng: np.rando
     return len(empty)
 
 
+#: above this k, seeding is a random sample: k-means++ would cost more than the iterations
+PLUS_PLUS_MAX_K = 256
+
+
 def kmeans_plus_plus(pool: Matrix, k: int, rng: np.random.Generator) -> Matrix:
     """k-means++ seeding on a sample (cost k x len(pool) x d, bounded by the sample size)."""
     first = int(rng.integers(len(pool)))
@@ -184,8 +194,11 @@ def train_kmeans(
         raise KMeansError(f"{n} vectors cannot make {k} clusters; lower --nlist.")
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
-    pool = np.array(data.sample(min(n, max(16 * k, 10_000)), seed), dtype=np.float32)
-    centroids = kmeans_plus_plus(pool, k, rng)
+    if k <= PLUS_PLUS_MAX_K:
+        pool = np.array(data.sample(min(n, max(16 * k, 10_000)), seed), dtype=np.float32)
+        centroids = kmeans_plus_plus(pool, k, rng)
+    else:  # k-means++ costs k passes over its pool; for big k, random seeds (as faiss does)
+        centroids = np.array(data.sample(k, seed), dtype=np.float32)
     step = reduce or data.assign_partial
     history: list[float] = []
     counts = np.zeros(k, dtype=np.int64)
