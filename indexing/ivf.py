@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from indexing.distributed import RayData
 from indexing.kmeans import KMeansResult, nearest, train_kmeans
-from indexing.manifest import FileRef, Manifest, ShardRef, get_verified, load_manifest, put_file
+from indexing.manifest import Manifest, ShardRef, get_verified, load_manifest, put_file
 from indexing.snapshot import Partition, Snapshot, load_partition
 from indexing.store import ObjectStore, open_store
 from pipelines.storage import ObjectStoreSettings
@@ -219,13 +219,12 @@ def build_index(
                         *[blocks[i] for blocks in per_part])
             for i, (start, end) in enumerate(ranges)
         ]  # fmt: skip
-        shards: list[ShardRef] = []
         with tqdm(total=len(futures), desc="shards", disable=not opts.progress, leave=False) as bar:
             pending = list(futures)
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
                 bar.update(len(done))
-            shards = list(ray.get(futures))
+            shards: list[ShardRef] = list(ray.get(futures))
         timings["shards_s"] = time.perf_counter() - t
     finally:
         data.close()
@@ -255,6 +254,3 @@ def build_index(
         shards=shards,
         stats=stats,
     )
-
-
-__all__ = ["BuildError", "BuildOptions", "FileRef", "build_index", "choose_nlist", "plan_shards"]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.resources
 import logging
 import os
+import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -37,12 +40,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    """The broker must not outlive whoever started it, even after a kill -9."""
-    import ctypes
-    import signal
+def die_with_parent(signum: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets ``signum`` when its parent dies, even by kill -9."""
 
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    def preexec() -> None:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+
+    return preexec
 
 
 def start_broker(
@@ -76,7 +80,7 @@ def start_broker(
             stdout=subprocess.DEVNULL,
             stderr=errors,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent(signal.SIGTERM),  # never outlive who started it
         )
         _wait_listening(proc, host, port, timeout_s, errors)
     return proc

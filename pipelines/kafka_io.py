@@ -88,6 +88,36 @@ class IdleStoppingKafkaSource(KafkaSource):
         return _IdlePartition(super().build_part(step_id, for_part, resume_state), self._idle_s)
 
 
+class _CheckedBatch:
+    """Produce messages and wait for every delivery report; raise if any failed."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        self.sent = 0
+        self.errors: list[str] = []
+
+    def _on_delivery(self, err: Any, _msg: Any) -> None:
+        if err is not None:
+            self.errors.append(str(err))
+
+    def send(self, topic: str, **kwargs: Any) -> None:
+        while True:
+            try:
+                self.producer.produce(topic, on_delivery=self._on_delivery, **kwargs)
+                break
+            except BufferError:  # local queue full: let deliveries drain
+                self.producer.poll(0.1)
+        self.sent += 1
+        self.producer.poll(0)
+
+    def wait(self, timeout_s: float, what: str, then: str) -> None:
+        remaining = self.producer.flush(timeout_s)
+        if remaining or self.errors:
+            raise KafkaIOError(
+                f"{remaining} {what} undelivered and {len(self.errors)} failed ({'; '.join(self.errors[:3])}); {then}."
+            )
+
+
 class DeadLetterProducer:
     """Publishes dead letters to ``<topic><suffix>`` and waits for every delivery.
 
@@ -108,12 +138,7 @@ class DeadLetterProducer:
             return
         if self._producer is None:
             self._producer = Producer(self._config)
-        errors: list[str] = []
-
-        def on_delivery(err: Any, _msg: Any) -> None:
-            if err is not None:
-                errors.append(str(err))
-
+        batch = _CheckedBatch(self._producer)
         for row in rows.to_pylist():
             headers = [(k, v.encode()) for k, v in json.loads(row["headers"] or "{}").items()]
             headers += [
@@ -122,20 +147,8 @@ class DeadLetterProducer:
                 ("streamrag.source.partition", str(row["partition"]).encode()),
                 ("streamrag.source.offset", str(row["offset"]).encode()),
             ]
-            self._producer.produce(
-                row["topic"] + self._suffix,
-                value=row["value"],
-                key=row["key"],
-                headers=headers,
-                on_delivery=on_delivery,
-            )
-            self._producer.poll(0)
-        remaining = self._producer.flush(self._timeout_s)
-        if remaining or errors:
-            raise KafkaIOError(
-                f"{remaining} dead letters undelivered and {len(errors)} failed "
-                f"({'; '.join(errors[:3])}); the batch will be retried."
-            )
+            batch.send(row["topic"] + self._suffix, value=row["value"], key=row["key"], headers=headers)
+        batch.wait(self._timeout_s, "dead letters", "the batch will be retried")
         metrics.DEAD_LETTERS.inc(rows.num_rows)
 
 
@@ -186,24 +199,8 @@ def _derived_key(obj: Any) -> bytes | None:
 
 def produce_file(bootstrap: str, topic: str, path: Path, config: dict[str, str] | None = None) -> int:
     """Publish a JSON-lines file; return the number of messages delivered."""
-    producer = Producer({"bootstrap.servers": bootstrap, **PRODUCER_DEFAULTS, **(config or {})})
-    errors: list[str] = []
-    sent = 0
-
-    def on_delivery(err: Any, _msg: Any) -> None:
-        if err is not None:
-            errors.append(str(err))
-
+    batch = _CheckedBatch(Producer({"bootstrap.servers": bootstrap, **PRODUCER_DEFAULTS, **(config or {})}))
     for _lineno, key, value in read_jsonl_messages(path):
-        while True:
-            try:
-                producer.produce(topic, key=key, value=value, on_delivery=on_delivery)
-                break
-            except BufferError:
-                producer.poll(0.1)
-        sent += 1
-        producer.poll(0)
-    remaining = producer.flush(60)
-    if remaining or errors:
-        raise KafkaIOError(f"{remaining} messages undelivered, {len(errors)} failed: {errors[:3]}")
-    return sent
+        batch.send(topic, key=key, value=value)
+    batch.wait(60, "messages", "nothing was lost silently; produce the file again")
+    return batch.sent

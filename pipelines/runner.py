@@ -8,7 +8,6 @@ job never leaves half a cluster behind. Restarting resumes from the recovery dir
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ from pathlib import Path
 from bytewax._bytewax import cli_main
 from bytewax.recovery import RecoveryConfig, init_db_dir
 
-from pipelines.broker import ensure_topics, free_port
+from pipelines.broker import die_with_parent, ensure_topics, free_port
 from pipelines.kafka_io import KafkaIOError
 from pipelines.lake import Lake
 from pipelines.settings import IngestSettings
@@ -104,11 +103,6 @@ def run_ingest(settings: IngestSettings) -> int:
     return _run_cluster(settings)
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _run_cluster(settings: IngestSettings) -> int:
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(settings.workers)]
     env = {**os.environ, _SETTINGS_ENV: settings.model_dump_json()}
@@ -116,7 +110,7 @@ def _run_cluster(settings: IngestSettings) -> int:
         subprocess.Popen(
             [sys.executable, "-m", "pipelines.runner", str(i), ";".join(addresses)],
             env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent(signal.SIGKILL),
         )
         for i in range(settings.workers)
     ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -90,7 +89,3 @@ def count_dlq(bootstrap: str, topic: str, idle: float = 3.0, timeout: float = 30
 def delta_commits(lake_dir: Path) -> int:
     log = lake_dir / "chunks" / "_delta_log"
     return len(list(log.glob("*.json"))) if log.is_dir() else 0
-
-
-def read_json(path: Path) -> object:
-    return json.loads(path.read_text())
