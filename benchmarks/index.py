@@ -2,8 +2,14 @@
 
     .venv/bin/python benchmarks/index.py                      # 200k x 384 synthetic vectors
     .venv/bin/python benchmarks/index.py --n 1000000          # the 1M figure (minutes on 2 cores)
+    .venv/bin/python benchmarks/index.py --corpus pydocs      # real embeddings: the Python docs
 
 Sections
+- build: ``index build`` end to end (plan the snapshot, load the lake files on Ray, k-means,
+  assign, shards, publish) on a lake of --n synthetic vectors written by the real lake
+  writer, vs single-process faiss doing the same job (read the lake's live vectors,
+  ``faiss.Kmeans`` + ``IndexIVFFlat.add``, write the index) at the same nlist and
+  iterations: wall time and peak RSS of all processes. Target: <= 1.3x time.
 - kmeans: distributed k-means on local Ray (the builder's code path) vs single-process
   ``faiss.Kmeans`` at the same nlist and iterations: wall time, peak RSS of all processes,
   objective ratio. Targets: <= 1.3x time, objective within 1%.
@@ -11,6 +17,8 @@ Sections
   (the retrieval path: coarse search + ``search_preassigned`` per shard): recall@10 vs
   exact flat search and queries/s at nprobe 4/8/16/32, vs a single faiss IndexIVFFlat on
   the same centroids.
+- peer: LanceDB's IVF_FLAT index (same vectors, nlist and iterations; run in .venv-peers):
+  build time and recall@10 / queries/s at the same nprobe values.
 - gpu: faiss-gpu k-means vs CPU on --gpu-n vectors; prints a skip line without a GPU.
 """
 
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -32,17 +41,29 @@ import numpy as np
 import psutil
 import pyarrow as pa
 
+from benchmarks.pydocs import EmbeddedCorpus, embedded_pydocs
 from indexing.distributed import RayData, start_ray
-from indexing.ivf import build_shard, choose_nlist, plan_shards
+from indexing.ivf import BuildOptions, build_index, build_shard, choose_nlist, plan_shards
 from indexing.kmeans import nearest, partial_sums, train_kmeans
 from indexing.manifest import Manifest, publish, put_file
 from indexing.reader import IndexReader
+from indexing.snapshot import plan
 from indexing.store import LocalStore
+from pipelines.lake import CHUNKS, Lake, current_chunks, embeddings
+from pipelines.lake_writer import LakeWriter
 from pipelines.storage import ObjectStoreSettings
+from retrieval.corpus import load_pydocs, section_titles
+from tests.indexing.lakes import chunk_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+#: fields every line carries (which corpus the figures are on)
+TAGS: dict[str, str] = {}
 
 
 def emit(**fields: object) -> None:
-    print(json.dumps(fields), flush=True)
+    print(json.dumps({**fields, **TAGS}), flush=True)
 
 
 def synthetic(n: int, d: int, topics: int, seed: int) -> np.ndarray:
@@ -84,6 +105,46 @@ class PeakRSS:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def write_lake(x: np.ndarray, uri: str, files: int = 16) -> Lake:
+    lake = Lake.at(uri)
+    lake.ensure_tables(1)
+    writer = LakeWriter(lake, CHUNKS, "bench", None)
+    for part in np.array_split(np.arange(len(x)), files):
+        writer.write(chunk_rows(x[part], start=int(part[0])))
+    return lake
+
+
+def bench_build(x: np.ndarray, nlist: int, iters: int, work: Path) -> None:
+    lake = write_lake(x, str(work / "lake"))
+    del x  # both sides read the vectors from the lake
+    store = LocalStore(str(work / "index"))
+    harness = psutil.Process().memory_info().rss  # the generated vectors, held by both runs
+    with PeakRSS() as ours_mem:
+        t0 = time.perf_counter()
+        snap = plan(lake)
+        manifest = build_index(snap, store.root, ObjectStoreSettings(), BuildOptions(nlist, iters, progress=False))
+        publish(store, manifest)
+        ours = time.perf_counter() - t0
+    with PeakRSS() as ref_mem:
+        t0 = time.perf_counter()
+        vectors = embeddings(current_chunks(lake, columns=["chunk_id", "position", "op", "embedding"]))
+        km = faiss.Kmeans(vectors.shape[1], nlist, niter=iters, seed=1, max_points_per_centroid=10**9)
+        km.train(vectors)
+        ivf = faiss.IndexIVFFlat(km.index, vectors.shape[1], nlist)
+        ivf.is_trained = True
+        ivf.add(vectors)
+        faiss.write_index(ivf, str(work / "faiss.index"))
+        base = time.perf_counter() - t0
+    ref_obj = partial_sums(vectors, km.centroids).objective
+    emit(bench="index_build", n=len(vectors), dim=vectors.shape[1], nlist=nlist, iterations=iters,
+         partitions=manifest.stats["partitions"], shards=len(manifest.shards), build_s=round(ours, 2),
+         faiss_s=round(base, 2), time_ratio=round(ours / base, 3), stages=manifest.stats["timings"],
+         harness_rss_mb=round(harness / 2**20),
+         build_peak_rss_mb=round(ours_mem.peak / 2**20), faiss_peak_rss_mb=round(ref_mem.peak / 2**20),
+         objective_ratio=round(manifest.stats["kmeans_objective"] / ref_obj, 4),
+         targets="time <= 1.3x, objective within 1%")  # fmt: skip
 
 
 def bench_kmeans(x: np.ndarray, nlist: int, iters: int, partitions: int) -> np.ndarray:
@@ -167,33 +228,72 @@ def bench_gpu(n: int, d: int, nlist: int, iters: int) -> None:
          cpu_s=round(timings["cpu"], 2), speedup=round(timings["cpu"] / timings["gpu"], 1))  # fmt: skip
 
 
+def real_queries(corpus: EmbeddedCorpus, n: int) -> np.ndarray:
+    """Section titles of the docs (FAQ questions among them) as queries, embedded."""
+    titles = sorted({t for d in load_pydocs() for t in section_titles(d.body)})
+    rng = np.random.default_rng(1)
+    chosen = [titles[i] for i in rng.choice(len(titles), min(n, len(titles)), replace=False)]
+    return corpus.embedder.embed(chosen)
+
+
+def bench_peer(x: np.ndarray, queries: np.ndarray, nlist: int, iters: int, python: Path, work: Path) -> None:
+    if not python.exists():
+        emit(bench="lancedb", skipped=f"{python} not found: `make bench` creates the peers' environment")
+        return
+    exact = faiss.IndexFlatL2(x.shape[1])
+    exact.add(x)
+    np.save(work / "vectors.npy", x)
+    np.save(work / "queries.npy", queries)
+    np.save(work / "truth.npy", exact.search(queries, 10)[1])
+    out = subprocess.run(
+        [str(python), str(Path(__file__).with_name("peer_lancedb.py")), str(work), "--nlist", str(nlist),
+         "--iterations", str(iters), "--label", TAGS["corpus"]],
+        capture_output=True, text=True, env={**os.environ, "LANCE_LOG": "error"},
+    )  # fmt: skip
+    for line in out.stdout.splitlines():
+        print(line, flush=True)
+    if out.returncode != 0:
+        emit(bench="lancedb", error=out.stderr[-2000:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["kmeans", "recall", "gpu"], action="append")
-    parser.add_argument("--n", type=int, default=200_000)
+    parser.add_argument("--only", choices=["build", "kmeans", "recall", "peer", "gpu"], action="append")
+    parser.add_argument("--corpus", choices=["synthetic", "pydocs"], default="synthetic")
+    parser.add_argument("--n", type=int, default=200_000, help="synthetic vectors")
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--nlist", type=int, help="default: about 4*sqrt(n)")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--partitions", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--queries", type=int, default=500)
     parser.add_argument("--gpu-n", type=int, default=10_000_000)
+    parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     args = parser.parse_args()
-    sections = set(args.only or ["kmeans", "recall", "gpu"])
-    nlist = args.nlist or choose_nlist(args.n)
+    sections = set(args.only or ["build", "kmeans", "recall", "peer", "gpu"])
+    TAGS["corpus"] = args.corpus
     with tempfile.TemporaryDirectory(prefix="streamrag-ibench-") as tmp:
         work = Path(tmp)
-        if sections & {"kmeans", "recall"}:
-            x = synthetic(args.n, args.dim, topics=4 * nlist, seed=0)
-            rng = np.random.default_rng(1)
-            q = (
-                x[rng.choice(len(x), args.queries, replace=False)]
-                + rng.standard_normal((args.queries, args.dim)).astype(np.float32) * 0.05
-            )
-            queries = np.ascontiguousarray(q / np.linalg.norm(q, axis=1, keepdims=True), dtype=np.float32)
+        if sections - {"gpu"}:
+            if args.corpus == "pydocs":
+                corpus = embedded_pydocs()
+                x = corpus.vectors
+                queries = real_queries(corpus, args.queries)
+            else:
+                x = synthetic(args.n, args.dim, topics=4 * choose_nlist(args.n), seed=0)
+                rng = np.random.default_rng(1)
+                q = x[rng.choice(len(x), args.queries, replace=False)]
+                q = q + rng.standard_normal(q.shape).astype(np.float32) * 0.05
+                queries = np.ascontiguousarray(q / np.linalg.norm(q, axis=1, keepdims=True), dtype=np.float32)
+            nlist = args.nlist or choose_nlist(len(x))
             start_ray(work_dir=work / "ray")
-            centroids = bench_kmeans(x, nlist, args.iterations, args.partitions)
-            if "recall" in sections:
-                bench_recall(x, centroids, queries, work)
+            if "build" in sections:
+                bench_build(x, nlist, args.iterations, work)
+            if sections & {"kmeans", "recall"}:
+                centroids = bench_kmeans(x, nlist, args.iterations, args.partitions)
+                if "recall" in sections:
+                    bench_recall(x, centroids, queries, work)
+            if "peer" in sections:
+                bench_peer(x, queries, nlist, args.iterations, args.peer_python, work)
         if "gpu" in sections:
             bench_gpu(args.gpu_n, args.dim, 4096, args.iterations)
     sys.stdout.flush()

@@ -3,20 +3,27 @@
 The manifest and centroids are loaded once; shards are fetched on demand, verified against
 the manifest's sha256, and searched with precomputed list assignments
 (``search_preassigned``), so each shard only scans the lists a query probes.
+
+Filters (ACLs, chunks superseded after the snapshot) are applied *inside* the scan with a
+faiss ID selector: the top-k comes from the allowed vectors of the probed lists, so a
+filter never costs recall the way filtering an over-fetched top-k does.
 """
 
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
-from typing import Any
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from indexing.manifest import Manifest, get_verified, load_manifest
+from indexing.manifest import Manifest, ShardRef, get_verified, load_manifest
 from indexing.store import ObjectStore
 
 
@@ -24,6 +31,46 @@ from indexing.store import ObjectStore
 class LoadedShard:
     index: Any  # faiss.IndexIVFFlat (the SWIG stubs don't know the numpy wrappers)
     ids: pa.Table
+    #: memoized per-shard data derived from ``ids`` (filter masks), owned by callers
+    derived: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.index.ntotal) * int(self.index.code_size) + int(self.ids.nbytes)
+
+
+def load_shard(store: ObjectStore, ref: ShardRef) -> LoadedShard:
+    """Fetch and verify one shard and its id map."""
+    blob = get_verified(store, ref.index)
+    return decode_shard(blob, get_verified(store, ref.ids))
+
+
+def decode_shard(index_blob: bytes, ids_blob: bytes) -> LoadedShard:
+    index = faiss.deserialize_index(np.frombuffer(index_blob, dtype=np.uint8))
+    return LoadedShard(index, pq.read_table(io.BytesIO(ids_blob)))
+
+
+class ShardSource(Protocol):
+    """Where a reader gets its shards (the retrieval service plugs in its cache)."""
+
+    def load(self, store: ObjectStore, ref: ShardRef) -> LoadedShard: ...
+
+
+class MemoSource:
+    """Fetch each shard once and keep it (batch jobs, tests, benchmarks)."""
+
+    def __init__(self) -> None:
+        self._shards: dict[str, LoadedShard] = {}
+        self._lock = threading.Lock()
+
+    def load(self, store: ObjectStore, ref: ShardRef) -> LoadedShard:
+        with self._lock:
+            found = self._shards.get(ref.index.sha256)
+        if found is None:
+            found = load_shard(store, ref)
+            with self._lock:
+                found = self._shards.setdefault(ref.index.sha256, found)
+        return found
 
 
 @dataclass(frozen=True)
@@ -38,24 +85,45 @@ class Hit:
         return 1.0 - self.distance / 2.0
 
 
+#: (shard number, shard) → bool mask over the shard's faiss ids, or None for "all allowed"
+Allow = Callable[[int, LoadedShard], "np.ndarray | None"]
+
+
+def bitmap_selector(mask: np.ndarray) -> tuple[Any, np.ndarray]:
+    """A faiss selector for the True positions of ``mask``, and the buffer it points into.
+
+    The buffer must outlive the selector (faiss keeps a raw pointer).
+    """
+    bits = np.packbits(mask, bitorder="little")
+    return faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits)), bits
+
+
 class IndexReader:
-    def __init__(self, store: ObjectStore, version: int | None = None) -> None:
+    def __init__(
+        self, store: ObjectStore, version: int | None = None, source: ShardSource | None = None, fetch_threads: int = 8
+    ) -> None:
         self.store = store
         self.manifest: Manifest = load_manifest(store, version)
         raw = get_verified(store, self.manifest.centroids)
         self.centroids = np.load(io.BytesIO(raw)).astype(np.float32)
         self.quantizer = faiss.IndexFlatL2(self.manifest.dim)
         self.quantizer.add(self.centroids)
-        self._shards: dict[int, LoadedShard] = {}
+        self.source = source or MemoSource()
+        self.shard_of_list = np.full(self.manifest.nlist, -1, dtype=np.int64)
+        for i, ref in enumerate(self.manifest.shards):
+            self.shard_of_list[ref.list_start : ref.list_end] = i
+        self.fetch_threads = fetch_threads
 
     def shard(self, i: int) -> LoadedShard:
-        if i not in self._shards:
-            ref = self.manifest.shards[i]
-            blob = get_verified(self.store, ref.index)
-            index = faiss.deserialize_index(np.frombuffer(blob, dtype=np.uint8))
-            ids = pq.read_table(io.BytesIO(get_verified(self.store, ref.ids)))
-            self._shards[i] = LoadedShard(index, ids)
-        return self._shards[i]
+        return self.source.load(self.store, self.manifest.shards[i])
+
+    def shards(self, numbers: Iterable[int]) -> dict[int, LoadedShard]:
+        """Several shards, fetched concurrently."""
+        wanted = sorted(set(numbers))
+        if len(wanted) <= 1:
+            return {i: self.shard(i) for i in wanted}
+        with ThreadPoolExecutor(min(self.fetch_threads, len(wanted)), thread_name_prefix="shard-fetch") as pool:
+            return dict(zip(wanted, pool.map(self.shard, wanted), strict=True))
 
     def probe(self, queries: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
         """(distances, list numbers) of the nprobe nearest lists of each query."""
@@ -63,19 +131,36 @@ class IndexReader:
         dist, lists = self.quantizer.search(np.ascontiguousarray(queries, dtype=np.float32), nprobe)
         return dist, lists
 
-    def search(self, queries: np.ndarray, k: int, nprobe: int = 16) -> list[list[Hit]]:
-        """Top-k hits per query across every shard holding a probed list."""
+    def search(self, queries: np.ndarray, k: int, nprobe: int = 16, allow: Allow | None = None) -> list[list[Hit]]:
+        """Top-k hits per query across every shard holding a probed list.
+
+        ``allow`` restricts each shard's candidates to a mask of its faiss ids.
+        """
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         coarse_d, lists = self.probe(queries, nprobe)
-        shard_of = np.array([self.manifest.shard_for_list(int(li)) if li >= 0 else -1 for li in lists.ravel()])
-        shard_of = shard_of.reshape(lists.shape)
-        hits: list[list[Hit]] = [[] for _ in range(len(queries))]
-        for s in sorted({int(x) for x in shard_of.ravel() if x >= 0}):
-            shard = self.shard(s)
-            assign = np.where(shard_of == s, lists, -1).astype(np.int64)
-            shard.index.nprobe = assign.shape[1]
-            dist, ids = shard.index.search_preassigned(queries, k, assign, coarse_d)
-            for q in range(len(queries)):
+        shard_of = np.where(lists >= 0, self.shard_of_list[np.maximum(lists, 0)], -1)
+        loaded = self.shards(int(s) for s in np.unique(shard_of) if s >= 0)
+        n = len(queries)
+        hits: list[list[Hit]] = [[] for _ in range(n)]
+        for s, shard in loaded.items():
+            assign = np.ascontiguousarray(np.where(shard_of == s, lists, -1), dtype=np.int64)
+            coarse = np.ascontiguousarray(coarse_d, dtype=np.float32)
+            params = faiss.SearchParametersIVF()
+            params.nprobe = assign.shape[1]
+            mask = allow(s, shard) if allow is not None else None
+            keep: Any = None
+            if mask is not None:
+                if not mask.any():
+                    continue
+                params.sel, keep = bitmap_selector(mask)
+            dist = np.empty((n, k), dtype=np.float32)
+            ids = np.empty((n, k), dtype=np.int64)
+            shard.index.search_preassigned_c(
+                n, faiss.swig_ptr(queries), k, faiss.swig_ptr(assign), faiss.swig_ptr(coarse),
+                faiss.swig_ptr(dist), faiss.swig_ptr(ids), False, params,
+            )  # fmt: skip
+            del keep
+            for q in range(n):
                 hits[q].extend(Hit(s, int(i), float(d)) for d, i in zip(dist[q], ids[q], strict=True) if i >= 0)
         return [sorted(h, key=lambda x: x.distance)[:k] for h in hits]
 

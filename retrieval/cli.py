@@ -9,6 +9,7 @@ import sys
 
 from indexing.commands import add_commands as add_index_commands
 from pipelines.commands import add_commands as add_pipeline_commands
+from retrieval.commands import add_commands as add_retrieval_commands
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_pipeline_commands(sub)
     add_index_commands(sub)
+    add_retrieval_commands(sub)
     return parser
 
 

@@ -73,6 +73,26 @@ def test_a_vector_finds_itself_with_its_lineage(built) -> None:
     assert row["chunk_id"] == "c0000123" and row["source_pk"] == "123" and row["score"] == pytest.approx(1.0, abs=1e-5)
 
 
+def test_a_filter_is_applied_inside_the_scan(built) -> None:
+    """Allowed = chunk number divisible by 7: results obey the filter and match exact search over the allowed set."""
+    reader, x, _ = built
+    allowed = np.flatnonzero(np.arange(len(x)) % 7 == 0)
+
+    def allow(_: int, shard) -> np.ndarray:  # type: ignore[no-untyped-def]
+        return np.array([int(c[1:]) % 7 == 0 for c in shard.ids.column("chunk_id").to_pylist()])
+
+    queries = x[np.random.default_rng(2).choice(len(x), 50, replace=False)]
+    exact = faiss.IndexFlatL2(x.shape[1])
+    exact.add(x[allowed])
+    _, truth = exact.search(queries, 10)
+    hits = reader.search(queries, 10, reader.manifest.nlist, allow=allow)
+    for q, row in enumerate(hits):
+        got = [int(r["chunk_id"][1:]) for r in reader.rows(row)]
+        assert len(got) == 10 and all(g % 7 == 0 for g in got)
+        assert set(got) == set(allowed[truth[q]].tolist())
+    assert reader.search(queries[:1], 10, 4, allow=lambda _s, shard: np.zeros(shard.ids.num_rows, bool)) == [[]]
+
+
 def test_corrupted_shard_is_refused(built, tmp_path: Path) -> None:
     _, _, store = built
     reader = IndexReader(store)

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
+from indexing.manifest import versions
 from indexing.reader import IndexReader
-from indexing.store import open_store
+from indexing.store import LocalStore, open_store
 from pipelines.lake import Lake, current_chunks, embeddings
 from pipelines.storage import ObjectStoreSettings
 from tests.corpus import make_corpus
-from tests.integration.helpers import cli, ingest_args, produce
+from tests.indexing.lakes import synthetic_lake
+from tests.integration.helpers import cli, ingest_args, kill_group, produce, start
 
 pytestmark = pytest.mark.integration
 
@@ -68,3 +72,52 @@ def test_build_fails_fast_when_the_index_store_is_unreachable(tmp_path: Path) ->
     Lake.at(str(tmp_path / "lake")).ensure_tables(2)
     out = cli("index", "build", "--lake", str(tmp_path / "lake"), "--index", "s3://bucket/idx", env=env, timeout=300)
     assert out.returncode == 1 and "cannot reach S3" in out.stderr and "Traceback" not in out.stderr
+
+
+def _ray_processes(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(marker in part for part in proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+def test_a_build_killed_between_shards_and_manifest_leaves_readers_on_the_last_version(tmp_path: Path) -> None:
+    lake, _ = synthetic_lake(str(tmp_path / "lake"), n=20_000, dim=32, files=4)
+    index = tmp_path / "index"
+    args = ["index", "build", "--lake", lake.uri, "--index", str(index), "--iterations", "3", "--shard-mb", "0.02",
+            "--json"]  # fmt: skip
+    first = cli(*args, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    first_build = json.loads(first.stdout.strip().splitlines()[-1])
+    store = LocalStore(str(index))
+    assert versions(store) == [1]
+    published = IndexReader(store).manifest.build_id
+
+    # Kill -9 the whole second build (driver and its local Ray) once its first shard is written.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = start(args, {"TMPDIR": str(scratch)}, tmp_path / "build.log")
+    deadline = time.monotonic() + 300
+    shards: list[Path] = []
+    while not shards and time.monotonic() < deadline and proc.poll() is None:
+        shards = [p for p in index.glob("builds/*/shard-*.faiss") if published not in str(p)]
+        time.sleep(0.02)
+    assert shards, (tmp_path / "build.log").read_text()[-3000:]
+    kill_group(proc)
+    for leftover in _ray_processes(str(scratch)):  # Ray's own processes follow the driver
+        leftover.wait(30)
+
+    assert versions(store) == [1], "the killed build must not have published"
+    reader = IndexReader(store)
+    assert reader.manifest.version == 1 and reader.manifest.build_id == published
+    hits = reader.search(np.ones((1, 32), np.float32) / np.sqrt(32), 5, nprobe=4)
+    assert len(hits[0]) == 5
+    orphans = {p.parent.name for p in shards}
+    assert orphans and published not in orphans
+
+    # The next build publishes normally; the orphaned files stay invisible to readers.
+    again = cli(*args, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert versions(store) == [1, 2] and IndexReader(store).manifest.build_id not in orphans
+    assert first_build["count"] == IndexReader(store).manifest.count == 20_000

@@ -1,0 +1,155 @@
+"""The HTTP API (FastAPI): ``/v1/search``, ``/healthz``, ``/metrics``.
+
+Every error is JSON ``{"error": "..."}`` with a 4xx status saying what was wrong (5xx
+only for the server's own faults, without internals). Endpoints that search are plain
+``def`` functions: FastAPI runs them in its thread pool, so a slow search never blocks
+the event loop that answers probes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from retrieval import metrics
+from retrieval.auth import Tokens, bearer
+from retrieval.engine import ANONYMOUS, Principal, SearchEngine, SearchError
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024
+
+
+class SearchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = Field(min_length=1, max_length=4096, description="what to search for")
+    k: int = Field(default=10, ge=1, le=100, description="how many results")
+    as_of: int | None = Field(default=None, ge=0, description="answer as of this lake version (audits)")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = headers
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """Refuses request bodies over ``limit`` bytes (declared or streamed) with a JSON 413."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await error(413, f"request body over {self.limit} bytes")(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise ApiError(413, f"request body over {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def create_app(engine: SearchEngine, tokens: Tokens | None) -> FastAPI:
+    app = FastAPI(
+        title="streamrag",
+        summary="Search a streaming RAG index: IVF shards in object storage plus the live lake tail.",
+        version="1",
+    )
+    app.add_middleware(BodyLimit)
+
+    def principal(request: Request) -> Principal:
+        if tokens is None:
+            return ANONYMOUS
+        token = bearer(request.headers.get("authorization"))
+        if token is None:
+            raise ApiError(401, "missing bearer token (Authorization: Bearer <token>)", {"WWW-Authenticate": "Bearer"})
+        found = tokens.principal(token)
+        if found is None:
+            raise ApiError(401, "invalid bearer token", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
+        return found
+
+    @app.middleware("http")
+    async def timing(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.REQUEST_SECONDS.labels(path, f"{response.status_code // 100}xx").observe(time.perf_counter() - t0)
+        return response
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error(exc.status, str(exc), exc.headers)
+
+    @app.exception_handler(SearchError)
+    async def search_error(_: Request, exc: SearchError) -> JSONResponse:
+        return error(exc.status, str(exc), {"Retry-After": "5"} if exc.status == 503 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for e in exc.errors():
+            where = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
+            problems.append(f"{where}: {e.get('msg', 'invalid')}")
+        return JSONResponse({"error": "; ".join(problems), "details": problems}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error(500, "internal error; the server log has the details")
+
+    @app.post("/v1/search")
+    def search(body: SearchRequest, who: Principal = Depends(principal)) -> dict[str, Any]:  # noqa: B008
+        t0 = time.perf_counter()
+        result = engine.search(body.query, body.k, who, body.as_of)
+        return {
+            "results": result.results,
+            "index_version": result.index_version,
+            "lake_version": result.lake_version,
+            "nprobe": result.nprobe,
+            "tail_rows": result.tail_rows,
+            "took_ms": round((time.perf_counter() - t0) * 1000, 2),
+        }
+
+    @app.get("/healthz")
+    def healthz() -> JSONResponse:
+        health = engine.health()
+        return JSONResponse(health, status_code=200 if health["status"] != "starting" else 503)
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,150 @@
+"""The shard cache: object storage → local disk → memory, each tier bounded, LRU.
+
+Files are named by their sha256 (from the manifest), so a file is verified once when it
+arrives and is never stale: a new index version has new files. Loads of the same shard
+by concurrent requests share one fetch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from indexing.manifest import FileRef, ShardRef, get_verified, sha256
+from indexing.reader import LoadedShard, decode_shard
+from indexing.store import ObjectStore
+from retrieval import metrics
+
+log = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "streamrag" / "shards"
+
+
+class ShardCache:
+    def __init__(self, directory: Path | None, memory_bytes: int = 2 << 30, disk_bytes: int = 20 << 30) -> None:
+        self.directory = directory
+        self.memory_bytes = memory_bytes
+        self.disk_bytes = disk_bytes
+        self._memory: OrderedDict[str, LoadedShard] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+        self._inflight: dict[str, threading.Lock] = {}
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            metrics.CACHE_DISK_BYTES.set(self._disk_usage())
+
+    # -- the ShardSource protocol ----------------------------------------------------
+
+    def load(self, store: ObjectStore, ref: ShardRef) -> LoadedShard:
+        key = ref.index.sha256
+        found = self._from_memory(key)
+        if found is not None:
+            return found
+        with self._lock:
+            gate = self._inflight.setdefault(key, threading.Lock())
+        with gate:  # one fetch per shard; the others wait for it, then hit memory
+            found = self._from_memory(key)
+            if found is not None:
+                return found
+            try:
+                index_blob, from_disk = self._file(store, ref.index)
+                ids_blob, ids_from_disk = self._file(store, ref.ids)
+                shard = decode_shard(index_blob, ids_blob)
+            finally:
+                with self._lock:
+                    self._inflight.pop(key, None)
+            metrics.CACHE_REQUESTS.labels("disk" if from_disk and ids_from_disk else "fetch").inc()
+            self._remember(key, shard)
+            return shard
+
+    def contains(self, ref: ShardRef) -> bool:
+        with self._lock:
+            return ref.index.sha256 in self._memory
+
+    @property
+    def memory_held(self) -> int:
+        return self._held
+
+    # -- tiers --------------------------------------------------------------------------
+
+    def _from_memory(self, key: str) -> LoadedShard | None:
+        with self._lock:
+            found = self._memory.get(key)
+            if found is not None:
+                self._memory.move_to_end(key)
+        if found is not None:
+            metrics.CACHE_REQUESTS.labels("memory").inc()
+        return found
+
+    def _remember(self, key: str, shard: LoadedShard) -> None:
+        with self._lock:
+            if key in self._memory:
+                return
+            self._memory[key] = shard
+            self._held += shard.nbytes
+            while self._held > self.memory_bytes and len(self._memory) > 1:
+                _, dropped = self._memory.popitem(last=False)
+                self._held -= dropped.nbytes
+                metrics.CACHE_EVICTIONS.labels("memory").inc()
+            metrics.CACHE_MEMORY_BYTES.set(self._held)
+
+    def _file(self, store: ObjectStore, ref: FileRef) -> tuple[bytes, bool]:
+        """The verified bytes of a file, and whether they came from the disk cache."""
+        path = self.directory / ref.sha256 if self.directory is not None else None
+        if path is not None and path.exists():
+            try:
+                data = path.read_bytes()
+            except OSError:
+                data = b""
+            if len(data) == ref.bytes and sha256(data) == ref.sha256:
+                os.utime(path)  # LRU by modification time
+                return data, True
+            log.warning("discarding corrupt cache file %s", path)
+            path.unlink(missing_ok=True)
+        data = get_verified(store, ref)
+        metrics.CACHE_FETCHED_BYTES.inc(len(data))
+        if path is not None:
+            self._write(path, data)
+        return data, False
+
+    def _write(self, path: Path, data: bytes) -> None:
+        assert self.directory is not None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".partial-")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:  # a full or read-only disk degrades to memory-only caching
+            log.warning("cannot write the shard cache file %s: %s", path, exc)
+            return
+        self._trim_disk()
+
+    def _disk_usage(self) -> int:
+        assert self.directory is not None
+        return sum(p.stat().st_size for p in self.directory.iterdir() if p.is_file() and not p.name.startswith("."))
+
+    def _trim_disk(self) -> None:
+        assert self.directory is not None
+        files = []
+        for p in self.directory.iterdir():
+            if p.is_file() and not p.name.startswith("."):
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                files.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in files)
+        for _, size, p in sorted(files):
+            if total <= self.disk_bytes:
+                break
+            p.unlink(missing_ok=True)
+            total -= size
+            metrics.CACHE_EVICTIONS.labels("disk").inc()
+        metrics.CACHE_DISK_BYTES.set(total)

@@ -1,0 +1,36 @@
+"""Prometheus metrics of the retrieval service (one registry per process)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUEST_SECONDS = Histogram(
+    "streamrag_http_request_seconds",
+    "HTTP request latency, by route and status class",
+    ["route", "status"],
+    buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+)
+SEARCH_SECONDS = Histogram(
+    "streamrag_search_seconds",
+    "Engine search latency, by stage",
+    ["stage"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+)
+NPROBE_WIDENED = Counter(
+    "streamrag_search_nprobe_widened_total", "Searches that probed more lists to find k visible results"
+)
+CACHE_REQUESTS = Counter(
+    "streamrag_shard_cache_requests_total", "Shard loads, by where the shard came from", ["result"]
+)  # memory | disk | fetch
+CACHE_FETCHED_BYTES = Counter("streamrag_shard_cache_fetched_bytes_total", "Bytes fetched from the index store")
+CACHE_MEMORY_BYTES = Gauge("streamrag_shard_cache_memory_bytes", "Bytes of shards held in memory")
+CACHE_DISK_BYTES = Gauge("streamrag_shard_cache_disk_bytes", "Bytes of shard files in the disk cache")
+CACHE_EVICTIONS = Counter("streamrag_shard_cache_evictions_total", "Shards evicted, by tier", ["tier"])
+TAIL_ROWS = Gauge("streamrag_tail_rows", "Chunk versions in the fresh tail (newer than the index)")
+TAIL_LAG = Gauge(
+    "streamrag_tail_lag_seconds", "Staleness of the tail: time since a poll last found it up to date with the lake"
+)
+TAIL_POLL_ERRORS = Counter("streamrag_tail_poll_errors_total", "Failed polls of the lake")
+INDEX_VERSION = Gauge("streamrag_index_version", "Index version being served")
+LAKE_VERSION = Gauge("streamrag_lake_version", "Newest lake version the service has read")
+INDEX_SWAPS = Counter("streamrag_index_swaps_total", "Switches to a newly published index version")

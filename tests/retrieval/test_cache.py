@@ -1,0 +1,128 @@
+"""The shard cache: disk and memory tiers, verification, single fetch under concurrency."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from indexing.ivf import BuildOptions, build_index
+from indexing.manifest import ManifestError, publish
+from indexing.reader import IndexReader
+from indexing.snapshot import plan
+from indexing.store import LocalStore, ObjectStore
+from pipelines.storage import ObjectStoreSettings
+from retrieval import metrics
+from retrieval.cache import ShardCache
+from tests.indexing.lakes import synthetic_lake
+
+
+class CountingStore(LocalStore):
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.gets: list[str] = []
+        self.lock = threading.Lock()
+
+    def get(self, key: str) -> bytes:
+        with self.lock:
+            self.gets.append(key)
+        return super().get(key)
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory, ray_local: None) -> Path:
+    tmp = tmp_path_factory.mktemp("cache")
+    lake, _ = synthetic_lake(str(tmp / "lake"), n=2000, dim=16)
+    store = LocalStore(str(tmp / "index"))
+    opts = BuildOptions(nlist=16, iterations=3, shard_bytes=20_000, progress=False)
+    publish(store, build_index(plan(lake), store.root, ObjectStoreSettings(), opts))
+    return tmp / "index"
+
+
+def shard_gets(store: CountingStore) -> int:
+    return sum(1 for k in store.gets if k.endswith(".faiss"))
+
+
+def count(result: str) -> float:
+    return metrics.CACHE_REQUESTS.labels(result)._value.get()
+
+
+def test_memory_then_disk_then_store(index: Path, tmp_path: Path) -> None:
+    store = CountingStore(str(index))
+    cache = ShardCache(tmp_path / "c", memory_bytes=1 << 30)
+    reader = IndexReader(store, source=cache)
+    n = len(reader.manifest.shards)
+    assert n > 2
+    reader.shards(range(n))
+    assert shard_gets(store) == n
+    memory = count("memory")
+    reader.shards(range(n))
+    assert shard_gets(store) == n and count("memory") == memory + n
+    # A new process (fresh memory) finds the files on disk, verified.
+    again = IndexReader(store, source=ShardCache(tmp_path / "c", memory_bytes=1 << 30))
+    disk = count("disk")
+    again.shards(range(n))
+    assert shard_gets(store) == n and count("disk") == disk + n
+
+
+def test_memory_budget_evicts_least_recently_used(index: Path, tmp_path: Path) -> None:
+    store = CountingStore(str(index))
+    reader = IndexReader(store, source=None)
+    one = reader.shard(0).nbytes
+    cache = ShardCache(None, memory_bytes=int(one * 2.5))
+    reader = IndexReader(store, source=cache)
+    for i in (0, 1, 2):
+        reader.shard(i)
+    assert cache.memory_held <= int(one * 2.5) * 1.5
+    assert not cache.contains(reader.manifest.shards[0]) and cache.contains(reader.manifest.shards[2])
+
+
+def test_disk_budget_and_corrupt_files(index: Path, tmp_path: Path) -> None:
+    store = CountingStore(str(index))
+    ref = IndexReader(store).manifest.shards[0]
+    cache = ShardCache(tmp_path / "c", memory_bytes=0, disk_bytes=ref.index.bytes + ref.ids.bytes)
+    reader = IndexReader(store, source=cache)
+    reader.shard(0)
+    reader.shard(1)
+    files = list((tmp_path / "c").iterdir())
+    assert sum(f.stat().st_size for f in files) <= ref.index.bytes + ref.ids.bytes + 1
+    # A corrupted cache file is discarded and fetched again, never used.
+    target = tmp_path / "c" / reader.manifest.shards[1].index.sha256
+    if target.exists():
+        target.write_bytes(b"garbage")
+    fresh = IndexReader(store, source=ShardCache(tmp_path / "c", memory_bytes=0))
+    before = shard_gets(store)
+    assert fresh.shard(1).index.ntotal == reader.manifest.shards[1].count
+    assert shard_gets(store) == before + 1
+
+
+def test_concurrent_loads_share_one_fetch(index: Path, tmp_path: Path) -> None:
+    store = CountingStore(str(index))
+    cache = ShardCache(tmp_path / "c")
+    reader = IndexReader(store, source=cache)
+    barrier = threading.Barrier(8)
+
+    def load() -> None:
+        barrier.wait()
+        reader.shard(0)
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert shard_gets(store) == 1
+
+
+def test_a_store_file_that_does_not_match_is_refused(index: Path, tmp_path: Path) -> None:
+    store: ObjectStore = LocalStore(str(index))
+    reader = IndexReader(store, source=ShardCache(tmp_path / "c"))
+    key = reader.manifest.shards[0].ids.key
+    original = store.get(key)
+    store.put(key, original[:-10] + b"0123456789")
+    try:
+        with pytest.raises(ManifestError, match="checksum"):
+            reader.shard(0)
+    finally:
+        store.put(key, original)

@@ -1,0 +1,172 @@
+"""The search engine on a lake written by the real lake writer and an index from the real builder."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from indexing.ivf import BuildOptions, build_index
+from indexing.manifest import publish
+from indexing.snapshot import plan
+from indexing.store import LocalStore
+from pipelines.storage import ObjectStoreSettings
+from retrieval.cache import ShardCache
+from retrieval.engine import EngineOptions, Principal, SearchEngine, SearchError
+from serving.embedder import FakeEmbedder
+from tests.retrieval.lakes import Doc, DocLake
+
+OPTS = BuildOptions(nlist=16, iterations=5, shard_bytes=8_000, progress=False)
+HR = Principal("hana", frozenset({"hr"}))
+
+
+def words(rng: random.Random, n: int = 8) -> str:
+    return " ".join(f"w{rng.randrange(400)}" for _ in range(n))
+
+
+def corpus(n: int = 300, seed: int = 0) -> list[Doc]:
+    rng = random.Random(seed)
+    return [Doc(pk, f"doc {pk} {words(rng)}", ("hr",) if pk % 10 == 0 else ()) for pk in range(n)]
+
+
+def build(lake: DocLake, index: Path) -> int:
+    store = LocalStore(str(index))
+    return publish(store, build_index(plan(lake.lake), store.root, ObjectStoreSettings(), OPTS))
+
+
+@pytest.fixture
+def setup(tmp_path: Path, ray_local: None):  # type: ignore[no-untyped-def]
+    embedder = FakeEmbedder(dim=32)
+    lake = DocLake(str(tmp_path / "lake"), embedder)
+    docs = corpus()
+    lake.write(docs[:150])
+    lake.write(docs[150:])
+    build(lake, tmp_path / "index")
+    engine = SearchEngine(
+        lake.lake, LocalStore(str(tmp_path / "index")), embedder, ShardCache(tmp_path / "cache", memory_bytes=20_000),
+        EngineOptions(nprobe=4),
+    )  # fmt: skip
+    engine.start(background=False)
+    return engine, lake, docs
+
+
+def ids(result) -> list[str]:  # type: ignore[no-untyped-def]
+    return [r["chunk_id"] for r in result.results]
+
+
+def test_a_document_finds_itself_with_lineage(setup) -> None:
+    engine, _, docs = setup
+    result = engine.search(docs[7].text, k=3)
+    top = result.results[0]
+    assert top["chunk_id"] == docs[7].chunk_id and top["score"] == pytest.approx(1.0, abs=1e-5)
+    assert top["source"]["pk"] == "7" and top["source"]["table"] == "public.docs"
+    assert top["source"]["kafka"]["topic"] == "t" and top["origin"] == "index"
+    assert top["index_version"] == result.index_version == 1 and top["lake_version"] == 2
+
+
+def test_acl_fail_closed_and_no_recall_lost_to_filtering(setup) -> None:
+    engine, _, docs = setup
+    secret = docs[20]
+    assert secret.chunk_id not in ids(engine.search(secret.text, k=10))
+    assert ids(engine.search(secret.text, k=1, principal=HR)) == [secret.chunk_id]
+    # 30 of 300 documents are HR's; a caller who can see them all but the public ones gets
+    # every HR document it asks for, though they are a tenth of each list.
+    only_hr = {d.chunk_id for d in docs if d.acl}
+    engine_hr = engine.search("doc", k=30, principal=HR)
+    visible = {d.chunk_id for d in docs if not d.acl or "hr" in d.acl}
+    assert len(engine_hr.results) == 30 and set(ids(engine_hr)) <= visible
+    public = engine.search(docs[5].text, k=100)
+    assert len(public.results) == 100 and not set(ids(public)) & only_hr
+
+
+def test_selective_filter_widens_the_probe_until_k_are_found(tmp_path: Path, ray_local: None) -> None:
+    """All but 3 of 300 documents are restricted: an outsider asking for 3 gets exactly those 3."""
+    embedder = FakeEmbedder(dim=32)
+    lake = DocLake(str(tmp_path / "lake"), embedder)
+    docs = [Doc(d.pk, d.text, () if d.pk in (17, 140, 288) else ("staff",)) for d in corpus()]
+    lake.write(docs)
+    build(lake, tmp_path / "index")
+    engine = SearchEngine(lake.lake, LocalStore(str(tmp_path / "index")), embedder, None, EngineOptions(nprobe=2))
+    engine.start(background=False)
+    for query in (docs[3].text, docs[200].text, "w1 w2 w3"):
+        result = engine.search(query, k=3)
+        assert set(ids(result)) == {docs[i].chunk_id for i in (17, 140, 288)}
+    assert result.nprobe > 2
+    staff = engine.search(docs[3].text, k=3, principal=Principal("sam", frozenset({"staff"})))
+    assert ids(staff)[0] == docs[3].chunk_id and staff.nprobe == 2
+
+
+def test_updates_and_deletes_after_the_index_are_reflected(setup) -> None:
+    engine, lake, docs = setup
+    old, gone = docs[3], docs[4]
+    new = Doc(3, "doc 3 completely rewritten with fresh words")
+    lake.write([old], op="delete")
+    lake.write([new])
+    lake.write([gone], op="delete")
+    assert engine._tail is not None and engine._tail.poll()
+    assert old.chunk_id not in ids(engine.search(old.text, k=20))
+    assert gone.chunk_id not in ids(engine.search(gone.text, k=20))
+    top = engine.search(new.text, k=1).results[0]
+    assert top["chunk_id"] == new.chunk_id and top["origin"] == "tail" and top["lake_version"] == 4
+
+
+def test_acl_change_in_the_tail_hides_the_index_copy(setup) -> None:
+    engine, lake, docs = setup
+    doc = docs[11]
+    assert doc.chunk_id in ids(engine.search(doc.text, k=1))
+    lake.write([Doc(doc.pk, doc.text, ("legal",))])  # same content, now restricted
+    engine._tail.poll()
+    assert doc.chunk_id not in ids(engine.search(doc.text, k=50))
+    assert ids(engine.search(doc.text, k=1, principal=Principal("lee", frozenset({"legal"})))) == [doc.chunk_id]
+
+
+def test_new_index_version_takes_over_the_tail(setup) -> None:
+    engine, lake, _ = setup
+    fresh = Doc(5000, "brand new document about zebras")
+    lake.write([fresh])
+    engine._tail.poll()
+    assert engine.search(fresh.text, k=1).results[0]["origin"] == "tail"
+    build(lake, Path(engine.store.root))
+    assert engine.check_for_new_index()
+    after = engine.search(fresh.text, k=1)
+    assert after.index_version == 2 and after.tail_rows == 0
+    assert after.results[0]["chunk_id"] == fresh.chunk_id and after.results[0]["origin"] == "index"
+
+
+def test_as_of_answers_as_the_system_would_have(setup) -> None:
+    engine, lake, docs = setup
+    doc = docs[9]
+    deleted_at = lake.write([doc], op="delete")
+    engine._tail.poll()
+    assert doc.chunk_id not in ids(engine.search(doc.text, k=5))
+    assert ids(engine.search(doc.text, k=1, as_of=deleted_at - 1)) == [doc.chunk_id]
+    build(lake, Path(engine.store.root))
+    engine.check_for_new_index()
+    assert ids(engine.search(doc.text, k=1, as_of=2)) == [doc.chunk_id]  # index 1 + empty tail
+    with pytest.raises(SearchError, match="no index version was built at or before"):
+        engine.search(doc.text, as_of=1)
+    with pytest.raises(SearchError, match="newer than the newest"):
+        engine.search(doc.text, as_of=99)
+
+
+def test_bad_requests_and_a_different_model_are_refused(setup, tmp_path: Path) -> None:
+    engine, lake, _ = setup
+    for query, k in (("", 10), ("   ", 10), ("x" * 5000, 10), ("ok", 0), ("ok", 101)):
+        with pytest.raises(SearchError) as info:
+            engine.search(query, k=k)
+        assert info.value.status == 422
+    other = SearchEngine(lake.lake, engine.store, FakeEmbedder(dim=16))
+    with pytest.raises(SearchError, match="built from vectors of fake-hashing"):
+        other.start(background=False)
+
+
+def test_compaction_commits_do_not_flood_the_tail(setup) -> None:
+    engine, lake, docs = setup
+    lake.write([Doc(7000, "one new document after the index")])
+    table = lake.lake.table("chunks")
+    table.optimize.compact()
+    assert engine._tail.poll()
+    state = engine._tail.state
+    assert state.version == table.version() and state.live.num_rows == 1
+    assert docs[1].chunk_id in ids(engine.search(docs[1].text, k=1))
