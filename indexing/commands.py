@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,14 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_index_build)
 
 
+def _short_temp_dir() -> str:
+    """Ray puts Unix sockets under its temp dir, and socket paths are limited to 107 bytes."""
+    base = tempfile.gettempdir()
+    if len(base) > 40 and os.access("/tmp", os.W_OK):
+        return "/tmp"
+    return base
+
+
 def cmd_index_build(args: argparse.Namespace) -> int:
     from indexing.distributed import start_ray
     from indexing.ivf import BuildOptions, build_index
@@ -60,7 +69,7 @@ def cmd_index_build(args: argparse.Namespace) -> int:
         reuse_centroids=args.reuse_centroids,
         drift_threshold=args.drift_threshold,
     )
-    with tempfile.TemporaryDirectory(prefix="streamrag-ray-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="srray-", dir=_short_temp_dir()) as tmp:
         start_ray(args.ray_address, Path(tmp))
         try:
             manifest = build_index(snap, store.root, settings, opts)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,8 +97,7 @@ def test_a_build_killed_between_shards_and_manifest_leaves_readers_on_the_last_v
     published = IndexReader(store).manifest.build_id
 
     # Kill -9 the whole second build (driver and its local Ray) once its first shard is written.
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    scratch = Path(tempfile.mkdtemp(prefix="srk-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     proc = start(args, {"TMPDIR": str(scratch)}, tmp_path / "build.log")
     deadline = time.monotonic() + 300
     shards: list[Path] = []
@@ -120,4 +121,5 @@ def test_a_build_killed_between_shards_and_manifest_leaves_readers_on_the_last_v
     again = cli(*args, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert versions(store) == [1, 2] and IndexReader(store).manifest.build_id not in orphans
+    shutil.rmtree(scratch, ignore_errors=True)
     assert first_build["count"] == IndexReader(store).manifest.count == 20_000
