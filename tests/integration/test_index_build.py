@@ -123,3 +123,34 @@ def test_a_build_killed_between_shards_and_manifest_leaves_readers_on_the_last_v
     assert versions(store) == [1, 2] and IndexReader(store).manifest.build_id not in orphans
     shutil.rmtree(scratch, ignore_errors=True)
     assert first_build["count"] == IndexReader(store).manifest.count == 20_000
+
+
+def test_serve_from_s3_with_a_cold_cache(s3_lake: str, s3_server, tmp_path: Path) -> None:
+    import httpx
+
+    from tests.conftest import free_port
+    from tests.integration.test_serve import wait_ready
+
+    index_uri = f"{s3_server.create_bucket('index-serve')}/idx"
+    out = cli("index", "build", "--lake", s3_lake, "--index", index_uri, "--nlist", "8", env=s3_server.env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    port = free_port()
+    proc = start(["serve", "--lake", s3_lake, "--index", index_uri, "--port", str(port), "--cache-dir",
+                  str(tmp_path / "cache")], s3_server.env, tmp_path / "serve.log")  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        health = wait_ready(url, proc)
+        assert health["index_version"] == 1 and health["status"] == "ok"
+        r = httpx.post(f"{url}/v1/search", json={"query": "kafka delta lake", "k": 5}, timeout=60)
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert len(results) == 5 and all(x["source"]["table"] == "public.docs" for x in results)
+        metrics = httpx.get(f"{url}/metrics", timeout=5).text
+        fetched = [
+            line for line in metrics.splitlines() if line.startswith("streamrag_shard_cache_fetched_bytes_total")
+        ]
+        assert fetched and float(fetched[0].split()[-1]) > 0
+        assert any(p.stat().st_size > 0 for p in (tmp_path / "cache").iterdir())
+    finally:
+        kill_group(proc)
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
