@@ -55,6 +55,10 @@ class ShardSource(Protocol):
 
     def load(self, store: ObjectStore, ref: ShardRef) -> LoadedShard: ...
 
+    def cached(self, ref: ShardRef) -> LoadedShard | None:
+        """The shard if it is already in memory (no I/O), else None."""
+        ...
+
 
 class MemoSource:
     """Fetch each shard once and keep it (batch jobs, tests, benchmarks)."""
@@ -63,9 +67,12 @@ class MemoSource:
         self._shards: dict[str, LoadedShard] = {}
         self._lock = threading.Lock()
 
-    def load(self, store: ObjectStore, ref: ShardRef) -> LoadedShard:
+    def cached(self, ref: ShardRef) -> LoadedShard | None:
         with self._lock:
-            found = self._shards.get(ref.index.sha256)
+            return self._shards.get(ref.index.sha256)
+
+    def load(self, store: ObjectStore, ref: ShardRef) -> LoadedShard:
+        found = self.cached(ref)
         if found is None:
             found = load_shard(store, ref)
             with self._lock:
@@ -118,12 +125,21 @@ class IndexReader:
         return self.source.load(self.store, self.manifest.shards[i])
 
     def shards(self, numbers: Iterable[int]) -> dict[int, LoadedShard]:
-        """Several shards, fetched concurrently."""
-        wanted = sorted(set(numbers))
-        if len(wanted) <= 1:
-            return {i: self.shard(i) for i in wanted}
-        with ThreadPoolExecutor(min(self.fetch_threads, len(wanted)), thread_name_prefix="shard-fetch") as pool:
-            return dict(zip(wanted, pool.map(self.shard, wanted), strict=True))
+        """Several shards: those in memory at once, the others fetched concurrently."""
+        found: dict[int, LoadedShard] = {}
+        missing = []
+        for i in numbers:
+            shard = self.source.cached(self.manifest.shards[i])
+            if shard is None:
+                missing.append(i)
+            else:
+                found[i] = shard
+        if len(missing) == 1:
+            found[missing[0]] = self.shard(missing[0])
+        elif missing:
+            with ThreadPoolExecutor(min(self.fetch_threads, len(missing)), thread_name_prefix="shard-fetch") as pool:
+                found.update(zip(missing, pool.map(self.shard, missing), strict=True))
+        return found
 
     def probe(self, queries: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
         """(distances, list numbers) of the nprobe nearest lists of each query."""
@@ -140,11 +156,11 @@ class IndexReader:
         coarse_d, lists = self.probe(queries, nprobe)
         shard_of = np.where(lists >= 0, self.shard_of_list[np.maximum(lists, 0)], -1)
         loaded = self.shards(int(s) for s in np.unique(shard_of) if s >= 0)
+        coarse = np.ascontiguousarray(coarse_d, dtype=np.float32)
         n = len(queries)
         hits: list[list[Hit]] = [[] for _ in range(n)]
         for s, shard in loaded.items():
             assign = np.ascontiguousarray(np.where(shard_of == s, lists, -1), dtype=np.int64)
-            coarse = np.ascontiguousarray(coarse_d, dtype=np.float32)
             params = faiss.SearchParametersIVF()
             params.nprobe = assign.shape[1]
             mask = allow(s, shard) if allow is not None else None

@@ -64,6 +64,9 @@ class ShardCache:
             self._remember(key, shard)
             return shard
 
+    def cached(self, ref: ShardRef) -> LoadedShard | None:
+        return self._from_memory(ref.index.sha256)
+
     def contains(self, ref: ShardRef) -> bool:
         with self._lock:
             return ref.index.sha256 in self._memory

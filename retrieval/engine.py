@@ -390,14 +390,27 @@ class SearchEngine:
         merged: list[tuple[float, str, Any]] = [(h.distance, "index", h) for h in hits]
         merged += [(d, "tail", i) for i, d in tail.search(vector, k, tail_allowed)]
         merged.sort(key=lambda m: m[0])
+        merged = merged[:k]
+        rows: dict[tuple[str, int], dict[str, Any]] = {}
+        by_shard: dict[int, list[int]] = {}
+        for _, origin, ref in merged:
+            if origin == "index":
+                by_shard.setdefault(ref.shard, []).append(ref.faiss_id)
+        for s, faiss_ids in by_shard.items():
+            rows.update(
+                ((f"i{s}", i), row) for i, row in zip(faiss_ids, _rows(reader.shard(s).ids, faiss_ids), strict=True)
+            )
+        tail_rows = [ref for _, origin, ref in merged if origin == "tail"]
+        if tail_rows:
+            rows.update((("tail", i), row) for i, row in zip(tail_rows, _rows(tail.live, tail_rows), strict=True))
         results = []
-        for distance, origin, ref in merged[:k]:
+        for distance, origin, ref in merged:
             score = 1.0 - distance / 2.0
             if origin == "index":
-                row = reader.shard(ref.shard).ids.slice(ref.faiss_id, 1).to_pylist()[0]
+                row = rows[(f"i{ref.shard}", ref.faiss_id)]
                 results.append(lineage(row, score, reader.manifest.lake_version, reader.manifest.version, origin))
             else:
-                row = tail.live.slice(ref, 1).to_pylist()[0]
+                row = rows[("tail", ref)]
                 results.append(lineage(row, score, row["lake_version"], reader.manifest.version, origin))
         return SearchResult(results, reader.manifest.version, tail.version, nprobe, tail.live.num_rows, {})
 
@@ -415,6 +428,19 @@ class SearchEngine:
             return mask
 
         return allow
+
+
+#: what a result needs of its chunk's row (reading fewer columns makes lineage cheap)
+LINEAGE_COLUMNS = [
+    "chunk_id", "doc_id", "title", "text", "chunk_index", "source_table", "source_pk", "position", "event_time",
+    "kafka_topic", "kafka_partition", "kafka_offset",
+]  # fmt: skip
+
+
+def _rows(table: pa.Table, indices: list[int]) -> list[dict[str, Any]]:
+    columns = [*LINEAGE_COLUMNS, "lake_version"] if "lake_version" in table.column_names else LINEAGE_COLUMNS
+    picked = table.select(columns).take(pa.array(indices, pa.int64())).to_pydict()
+    return [dict(zip(picked, values, strict=True)) for values in zip(*picked.values(), strict=True)]
 
 
 def _superseded(shard: LoadedShard, ids: frozenset[str]) -> np.ndarray:
