@@ -224,3 +224,25 @@ def test_metrics(service: Service) -> None:
                  "streamrag_tail_rows", "streamrag_tail_lag_seconds", "streamrag_index_version"):  # fmt: skip
         assert name in text, name
     assert 'route="/v1/search"' in text
+
+
+def test_search_cli_uses_the_same_engine(service: Service) -> None:
+    args = ["search", "--lake", service.lake, "--index", service.index, "--cache-dir", str(service.tmp / "cli-cache")]
+    out = cli(*args, "executive salaries", "-k", "3", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = json.loads(out.stdout)["results"]
+    assert results and all("Payroll" not in r["text"] for r in results)
+    out = cli(*args, "executive salaries", "-k", "1", "--groups", "hr")
+    assert out.returncode == 0 and "Payroll" in out.stdout and "public.docs/9" in out.stdout, out.stdout
+
+
+def test_serve_refuses_unsafe_or_impossible_setups(service: Service, tmp_path: Path) -> None:
+    out = cli("serve", "--lake", service.lake, "--index", service.index, "--host", "0.0.0.0")
+    assert out.returncode == 1 and "without --tokens" in out.stderr and "Traceback" not in out.stderr
+    port = int(service.url.rsplit(":", 1)[1])
+    out = cli("serve", "--lake", service.lake, "--index", service.index, "--port", str(port))
+    assert out.returncode == 1 and "cannot listen" in out.stderr and "Traceback" not in out.stderr
+    (tmp_path / "bad.yaml").write_text("short: {principal: x}")
+    out = cli("serve", "--lake", service.lake, "--index", service.index, "--tokens", str(tmp_path / "bad.yaml"),
+              "--port", "0")  # fmt: skip
+    assert out.returncode == 1 and "at least 16 characters" in out.stderr
