@@ -342,15 +342,10 @@ class SearchEngine:
         reader = (
             current.reader if number == current.index_version else self._readers.get(number, lambda: self._open(number))
         )
-        base = reader.manifest.lake_version
-        if base == current.tail.base_version:
-            rows = current.tail.rows
-            kept = rows.filter(pc.less_equal(rows.column("lake_version"), lake_version))
-            tail = TailState.empty(base, reader.manifest.dim).advanced(kept, lake_version)
-        else:
-            tail = self._tails.get(
-                (base, lake_version), lambda: tail_at(self.lake, base, lake_version, reader.manifest.dim)
-            )
+        base, dim = reader.manifest.lake_version, reader.manifest.dim
+        # Rebuilt from the log, not cut from the live tail: that keeps only each chunk's
+        # newest version, and the one current at lake_version may be an older one.
+        tail = self._tails.get((base, lake_version), lambda: tail_at(self.lake, base, lake_version, dim))
         return View(reader, tail)
 
     def search(

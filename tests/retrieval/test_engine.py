@@ -170,3 +170,15 @@ def test_compaction_commits_do_not_flood_the_tail(setup) -> None:
     state = engine._tail.state
     assert state.version == table.version() and state.live.num_rows == 1
     assert docs[1].chunk_id in ids(engine.search(docs[1].text, k=1))
+
+
+def test_as_of_sees_the_version_current_then_not_the_newest(setup) -> None:
+    engine, lake, docs = setup
+    doc = docs[13]
+    restricted_at = lake.write([Doc(doc.pk, doc.text, ("legal",))])
+    lake.write([Doc(doc.pk, doc.text, ())])  # public again
+    engine._tail.poll()
+    assert ids(engine.search(doc.text, k=1)) == [doc.chunk_id]
+    assert doc.chunk_id not in ids(engine.search(doc.text, k=20, as_of=restricted_at))
+    legal = Principal("lee", frozenset({"legal"}))
+    assert ids(engine.search(doc.text, k=1, principal=legal, as_of=restricted_at)) == [doc.chunk_id]
