@@ -168,7 +168,9 @@ def bench_kmeans(x: np.ndarray, nlist: int, iters: int, partitions: int) -> np.n
     return result.centroids
 
 
-def bench_recall(x: np.ndarray, centroids: np.ndarray, queries: np.ndarray, work: Path) -> None:
+def bench_recall(
+    x: np.ndarray, centroids: np.ndarray, queries: np.ndarray, work: Path, nprobes: list[int]
+) -> None:
     store = LocalStore(str(work / "index"))
     _, labels = nearest(x, centroids)
     counts = np.bincount(labels, minlength=len(centroids))
@@ -196,7 +198,7 @@ def bench_recall(x: np.ndarray, centroids: np.ndarray, queries: np.ndarray, work
     ivf = faiss.IndexIVFFlat(quantizer, x.shape[1], len(centroids))
     ivf.is_trained = True
     ivf.add(x)
-    for nprobe in (4, 8, 16, 32):
+    for nprobe in nprobes:
         t0 = time.perf_counter()
         hits = reader.search(queries, 10, nprobe)
         ours = time.perf_counter() - t0
@@ -266,6 +268,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--partitions", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--queries", type=int, default=500)
+    parser.add_argument("--nprobe", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128])
     parser.add_argument("--gpu-n", type=int, default=10_000_000)
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     args = parser.parse_args()
@@ -291,7 +294,7 @@ def main() -> None:
             if sections & {"kmeans", "recall"}:
                 centroids = bench_kmeans(x, nlist, args.iterations, args.partitions)
                 if "recall" in sections:
-                    bench_recall(x, centroids, queries, work)
+                    bench_recall(x, centroids, queries, work, args.nprobe)
             if "peer" in sections:
                 bench_peer(x, queries, nlist, args.iterations, args.peer_python, work)
         if "gpu" in sections:

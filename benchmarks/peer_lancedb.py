@@ -53,7 +53,7 @@ def main() -> None:
         indexed = time.perf_counter() - t0
         emit(bench="lancedb_build", corpus=args.label, n=n, dim=dim, nlist=args.nlist, iterations=args.iterations,
              load_s=round(loaded, 2), index_s=round(indexed, 2), lancedb=lancedb.__version__)  # fmt: skip
-        for nprobe in args.nprobe or [4, 8, 16, 32]:
+        for nprobe in args.nprobe or [4, 8, 16, 32, 64, 128]:
             found = []
             t0 = time.perf_counter()
             for q in queries:

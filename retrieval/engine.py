@@ -61,7 +61,8 @@ ANONYMOUS = Principal("anonymous")
 
 @dataclass(frozen=True)
 class EngineOptions:
-    nprobe: int = 32
+    #: lists probed per query; None = auto (see default_nprobe)
+    nprobe: int | None = None
     max_k: int = 100
     max_query_chars: int = 4096
     tail_poll_s: float = 0.5
@@ -88,6 +89,16 @@ class _LRU(Generic[K, V]):
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
         return value
+
+
+def default_nprobe(nlist: int) -> int:
+    """Probe 16% of the lists, at least 32, at most 512.
+
+    Measured on real embeddings (the Python docs, 40k chunks, nlist 802, section titles as
+    queries): recall@10 vs exact is 0.89 at nprobe 32 and 0.954 at 128 (16%); short queries
+    sit far from the documents they match, so a fixed small nprobe is not enough.
+    """
+    return max(1, min(nlist, max(32, min(512, -(-nlist * 16 // 100)))))
 
 
 def acl_mask(acl: pa.Array | pa.ChunkedArray, groups: frozenset[str]) -> np.ndarray:
@@ -373,7 +384,7 @@ class SearchEngine:
         reader, tail = view.reader, view.tail
         nlist = reader.manifest.nlist
         allow = self._allow(tail, principal.groups)
-        nprobe = min(self.options.nprobe, nlist)
+        nprobe = min(self.options.nprobe or default_nprobe(nlist), nlist)
         query = np.ascontiguousarray(vector[None, :], dtype=np.float32)
         while True:
             hits = reader.search(query, k, nprobe, allow)[0]
