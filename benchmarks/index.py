@@ -168,9 +168,7 @@ def bench_kmeans(x: np.ndarray, nlist: int, iters: int, partitions: int) -> np.n
     return result.centroids
 
 
-def bench_recall(
-    x: np.ndarray, centroids: np.ndarray, queries: np.ndarray, work: Path, nprobes: list[int]
-) -> None:
+def bench_recall(x: np.ndarray, centroids: np.ndarray, queries: np.ndarray, work: Path, nprobes: list[int]) -> None:
     store = LocalStore(str(work / "index"))
     _, labels = nearest(x, centroids)
     counts = np.bincount(labels, minlength=len(centroids))

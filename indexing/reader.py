@@ -156,13 +156,18 @@ class IndexReader:
         coarse_d, lists = self.probe(queries, nprobe)
         shard_of = np.where(lists >= 0, self.shard_of_list[np.maximum(lists, 0)], -1)
         loaded = self.shards(int(s) for s in np.unique(shard_of) if s >= 0)
-        coarse = np.ascontiguousarray(coarse_d, dtype=np.float32)
         n = len(queries)
-        hits: list[list[Hit]] = [[] for _ in range(n)]
+        found_d, found_i, found_s = [], [], []
         for s, shard in loaded.items():
-            assign = np.ascontiguousarray(np.where(shard_of == s, lists, -1), dtype=np.int64)
+            mine = shard_of == s
+            width = int(mine.sum(axis=1).max())
+            # This shard's probed lists only, left-packed (-1 pads), with their coarse distances.
+            order = np.argsort(~mine, axis=1, kind="stable")[:, :width]
+            packed = np.where(np.take_along_axis(mine, order, 1), np.take_along_axis(lists, order, 1), -1)
+            assign = np.ascontiguousarray(packed, dtype=np.int64)
+            coarse = np.ascontiguousarray(np.take_along_axis(coarse_d, order, 1), dtype=np.float32)
             params = faiss.SearchParametersIVF()
-            params.nprobe = assign.shape[1]
+            params.nprobe = width
             mask = allow(s, shard) if allow is not None else None
             keep: Any = None
             if mask is not None:
@@ -176,9 +181,21 @@ class IndexReader:
                 faiss.swig_ptr(dist), faiss.swig_ptr(ids), False, params,
             )  # fmt: skip
             del keep
-            for q in range(n):
-                hits[q].extend(Hit(s, int(i), float(d)) for d, i in zip(dist[q], ids[q], strict=True) if i >= 0)
-        return [sorted(h, key=lambda x: x.distance)[:k] for h in hits]
+            found_d.append(dist)
+            found_i.append(ids)
+            found_s.append(np.full_like(ids, s))
+        if not found_d:
+            return [[] for _ in range(n)]
+        dist_all = np.concatenate(found_d, axis=1)
+        ids_all = np.concatenate(found_i, axis=1)
+        shard_all = np.concatenate(found_s, axis=1)
+        dist_all = np.where(ids_all >= 0, dist_all, np.inf)
+        best = np.argsort(dist_all, axis=1, kind="stable")[:, :k]
+        out: list[list[Hit]] = []
+        for q in range(n):
+            out.append([Hit(int(shard_all[q, j]), int(ids_all[q, j]), float(dist_all[q, j]))
+                        for j in best[q] if ids_all[q, j] >= 0])  # fmt: skip
+        return out
 
     def rows(self, hits: list[Hit]) -> list[dict[str, object]]:
         """The id-map rows (chunk version and lineage) of hits, in order."""
