@@ -160,14 +160,18 @@ class IndexReader:
         found_d, found_i, found_s = [], [], []
         for s, shard in loaded.items():
             mine = shard_of == s
-            width = int(mine.sum(axis=1).max())
             # This shard's probed lists only, left-packed (-1 pads), with their coarse distances.
-            order = np.argsort(~mine, axis=1, kind="stable")[:, :width]
-            packed = np.where(np.take_along_axis(mine, order, 1), np.take_along_axis(lists, order, 1), -1)
-            assign = np.ascontiguousarray(packed, dtype=np.int64)
-            coarse = np.ascontiguousarray(np.take_along_axis(coarse_d, order, 1), dtype=np.float32)
+            if n == 1:  # the service's case: plain boolean indexing
+                assign = np.ascontiguousarray(lists[mine][None, :], dtype=np.int64)
+                coarse = np.ascontiguousarray(coarse_d[mine][None, :], dtype=np.float32)
+            else:
+                width = int(mine.sum(axis=1).max())
+                order = np.argsort(~mine, axis=1, kind="stable")[:, :width]
+                packed = np.where(np.take_along_axis(mine, order, 1), np.take_along_axis(lists, order, 1), -1)
+                assign = np.ascontiguousarray(packed, dtype=np.int64)
+                coarse = np.ascontiguousarray(np.take_along_axis(coarse_d, order, 1), dtype=np.float32)
             params = faiss.SearchParametersIVF()
-            params.nprobe = width
+            params.nprobe = assign.shape[1]
             mask = allow(s, shard) if allow is not None else None
             keep: Any = None
             if mask is not None:
