@@ -272,11 +272,18 @@ class SearchEngine:
         if newest is None or newest <= current.manifest.version:
             return False
         reader = self._open(newest)
+        assert self._tail is not None
+        if reader.manifest.lake_version < self._tail.state.base_version:
+            # Built from an older snapshot (--lake-version): switching would lose the rows between.
+            log.warning(
+                "not switching to index version %d: it covers lake version %d, older than the %d served",
+                newest, reader.manifest.lake_version, self._tail.state.base_version,
+            )  # fmt: skip
+            return False
         total = sum(s.index.bytes + s.ids.bytes for s in reader.manifest.shards)
         if self.options.prefetch and total <= self.options.prefetch_bytes:
             reader.shards(range(len(reader.manifest.shards)))  # warm before the first query needs it
         self._reader = reader  # queries that already hold the old pair finish on it
-        assert self._tail is not None
         self._tail.rebase(reader.manifest.lake_version)
         metrics.INDEX_SWAPS.inc()
         metrics.INDEX_VERSION.set(reader.manifest.version)
@@ -322,6 +329,7 @@ class SearchEngine:
         return self._reader
 
     def current_view(self) -> View:
+        self._require_reader()
         assert self._tail is not None
         tail = self._tail.state  # tail first, then reader: see the module docstring
         reader = self._require_reader()

@@ -182,3 +182,12 @@ def test_as_of_sees_the_version_current_then_not_the_newest(setup) -> None:
     assert doc.chunk_id not in ids(engine.search(doc.text, k=20, as_of=restricted_at))
     legal = Principal("lee", frozenset({"legal"}))
     assert ids(engine.search(doc.text, k=1, principal=legal, as_of=restricted_at)) == [doc.chunk_id]
+
+
+def test_an_index_of_an_older_snapshot_is_not_switched_to(setup) -> None:
+    engine, lake, docs = setup
+    store = LocalStore(str(engine.store.root))
+    publish(store, build_index(plan(lake.lake, version=1), store.root, ObjectStoreSettings(), OPTS))
+    assert not engine.check_for_new_index()
+    result = engine.search(docs[200].text, k=1)  # written at lake version 2: still found
+    assert result.index_version == 1 and ids(result) == [docs[200].chunk_id]
