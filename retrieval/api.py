@@ -50,7 +50,8 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> J
 
 
 class BodyLimit:
-    """Refuses request bodies over ``limit`` bytes (declared or streamed) with a JSON 413."""
+    """Refuses request bodies over ``limit`` bytes (declared or streamed) with a JSON 413,
+    and reads every POST body as JSON."""
 
     def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
         self.app = app
@@ -60,7 +61,12 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        if scope.get("method") == "POST" and not headers.get(b"content-type", b"").startswith(b"application/json"):
+            # Bodies are JSON whatever the client says (curl -d sends a form content type).
+            headers[b"content-type"] = b"application/json"
+            scope = {**scope, "headers": list(headers.items())}
+        declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
             await error(413, f"request body over {self.limit} bytes")(scope, receive, send)
             return

@@ -153,6 +153,9 @@ def test_not_json_oversized_and_unknown_routes(service: Service) -> None:
     h = {"Authorization": BOB, "Content-Type": "application/json"}
     r = httpx.post(f"{service.url}/v1/search", content=b"{not json", headers=h, timeout=10)
     assert r.status_code == 422 and "error" in r.json()
+    form = {"Authorization": BOB, "Content-Type": "application/x-www-form-urlencoded"}  # what curl -d sends
+    r = httpx.post(f"{service.url}/v1/search", content=b'{"query": "chess", "k": 1}', headers=form, timeout=10)
+    assert r.status_code == 200 and "Chess" in r.json()["results"][0]["text"], r.text
     r = httpx.post(f"{service.url}/v1/search", content=b"x" * 100_000, headers=h, timeout=10)
     assert r.status_code == 413 and "error" in r.json()
     r = httpx.get(f"{service.url}/v1/nothing", timeout=10)
