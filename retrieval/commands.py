@@ -23,7 +23,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", required=True, metavar="URI")
     p.add_argument("--model", help="query embedder: the index's model directory (default: bundled all-MiniLM-L6-v2)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--nprobe", type=int, help="IVF lists probed per query (default 16%% of the lists, 32 to 512)")
+    p.add_argument("--nprobe", type=int, help="IVF lists probed per query (default 16%% of the lists, 32 to 128)")
     p.add_argument("--cache-dir", type=Path, help="disk cache for shards (default ~/.cache/streamrag/shards)")
     p.add_argument("--cache-memory-mb", type=int, default=2048, help="shards held in memory (2048 MB)")
     p.add_argument("--cache-disk-mb", type=int, default=20480, help="shard files kept on disk (20480 MB)")
