@@ -1,0 +1,122 @@
+"""Citations that do not depend on the model writing them correctly.
+
+Small models rarely write correct ``[n]`` markers. Each answer sentence is therefore
+checked against the sources actually sent:
+
+- the markers it carries are parsed; a marker naming no source sent is *invalid*, and a
+  marker naming a source the sentence does not resemble (similarity below
+  ``marker_threshold``) is *unsupported*; both are dropped;
+- the sentence's support is every source whose embedding similarity with it reaches
+  ``threshold``, plus the markers that survived;
+- a sentence with no support is *flagged*, never silently kept as if grounded.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from serving.embedder import Embedder
+from serving.prompt import Source
+
+_MARKER = re.compile(r"\[(\d+(?:\s*[,;]\s*\d+)*)\]")
+_SENTENCE = re.compile(r"(?<=[.!?])(?:\s*\[\d+(?:\s*[,;]\s*\d+)*\])*\s+(?=[A-Z0-9\"'(])")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of an answer, markers kept with the sentence they follow."""
+    out = []
+    for block in text.split("\n"):
+        block = block.strip()
+        if not block:
+            continue
+        start = 0
+        for match in _SENTENCE.finditer(block):
+            end = match.start() + len(match.group(0).rstrip())
+            piece = block[start:end].strip()
+            if piece:
+                out.append(piece)
+            start = match.end()
+        tail = block[start:].strip()
+        if tail:
+            out.append(tail)
+    return out
+
+
+def markers(sentence: str) -> list[int]:
+    found: list[int] = []
+    for group in _MARKER.findall(sentence):
+        for n in re.split(r"\s*[,;]\s*", group):
+            if int(n) not in found:
+                found.append(int(n))
+    return found
+
+
+def strip_markers(sentence: str) -> str:
+    return " ".join(_MARKER.sub(" ", sentence).split())
+
+
+@dataclass
+class SentenceSupport:
+    text: str
+    sources: list[int]  # supporting source numbers, best first
+    scores: dict[int, float]  # similarity to each supporting source
+    written: list[int]  # markers the model wrote
+    invalid: list[int] = field(default_factory=list)  # markers naming no source sent
+    unsupported: list[int] = field(default_factory=list)  # markers the sentence does not resemble
+
+    @property
+    def flagged(self) -> bool:
+        return not self.sources
+
+
+@dataclass
+class Attribution:
+    sentences: list[SentenceSupport]
+
+    @property
+    def cited(self) -> list[int]:
+        """Source numbers supporting at least one sentence, in order of first use."""
+        seen: list[int] = []
+        for s in self.sentences:
+            for n in s.sources:
+                if n not in seen:
+                    seen.append(n)
+        return seen
+
+    @property
+    def flagged(self) -> list[str]:
+        return [s.text for s in self.sentences if s.flagged]
+
+
+def attribute(
+    answer: str,
+    sources: list[Source],
+    embedder: Embedder,
+    threshold: float = 0.5,
+    marker_threshold: float = 0.3,
+    source_vectors: np.ndarray | None = None,
+) -> Attribution:
+    sentences = split_sentences(answer)
+    if not sentences:
+        return Attribution([])
+    numbers = [s.n for s in sources]
+    if source_vectors is None:
+        source_vectors = embedder.embed([s.text for s in sources]) if sources else np.zeros((0, 1), np.float32)
+    plain = [strip_markers(s) or s for s in sentences]
+    vectors = embedder.embed(plain)
+    sims = vectors @ source_vectors.T if len(sources) else np.zeros((len(sentences), 0), np.float32)
+    out = []
+    for i, sentence in enumerate(sentences):
+        written = markers(sentence)
+        invalid = [n for n in written if n not in numbers]
+        score = {n: float(sims[i, j]) for j, n in enumerate(numbers)}
+        unsupported = [n for n in written if n in score and score[n] < marker_threshold]
+        kept = [n for n in written if n in score and score[n] >= marker_threshold]
+        by_similarity = [n for n in sorted(score, key=lambda n: -score[n]) if score[n] >= threshold]
+        support = sorted(set(kept) | set(by_similarity), key=lambda n: -score[n])
+        out.append(SentenceSupport(sentence, support, {n: round(score[n], 4) for n in support}, written, invalid,
+                                   unsupported))  # fmt: skip
+    return Attribution(out)
