@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import importlib.resources
 import logging
 import os
@@ -11,11 +10,13 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from serving.process import die_with_parent as die_with_parent
+from serving.process import free_port as free_port
 
 log = logging.getLogger(__name__)
 
@@ -32,21 +33,6 @@ def tansu_binary() -> Path:
     if not os.access(path, os.X_OK):
         path.chmod(path.stat().st_mode | 0o111)
     return path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def die_with_parent(signum: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets ``signum`` when its parent dies, even by kill -9."""
-
-    def preexec() -> None:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
-
-    return preexec
 
 
 def start_broker(
