@@ -56,7 +56,7 @@ class EmbeddedGenerator:
     def start(self, timeout_s: float = 120.0) -> str:
         if importlib.util.find_spec("llama_cpp") is None:
             raise GeneratorError(
-                "the embedded generator needs llama-cpp-python (pip install llama-cpp-python), "
+                "the embedded generator needs llama-cpp-python (pip install 'llama-cpp-python[server]'), "
                 "or pass --generator-url for a vLLM / OpenAI-compatible server."
             )
         # PORT/HOST in the environment override llama_cpp.server's flags.
