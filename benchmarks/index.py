@@ -78,6 +78,11 @@ def synthetic(n: int, d: int, topics: int, seed: int) -> np.ndarray:
     return out
 
 
+def recall(found: list[list[int]], truth: np.ndarray) -> float:
+    """Mean share of each query's exact top-k (rows of ``truth``) that was found."""
+    return float(np.mean([len(set(f) & set(t.tolist())) / truth.shape[1] for f, t in zip(found, truth, strict=True)]))
+
+
 class PeakRSS:
     """Peak resident memory of this process and all its children, sampled every 0.2 s."""
 
@@ -200,16 +205,16 @@ def bench_recall(x: np.ndarray, centroids: np.ndarray, queries: np.ndarray, work
         t0 = time.perf_counter()
         hits = reader.search(queries, 10, nprobe)
         ours = time.perf_counter() - t0
-        found = [{int(reader.shard(h.shard).ids.column("chunk_id")[h.faiss_id].as_py()) for h in row} for row in hits]
-        recall = np.mean([len(f & set(t.tolist())) / 10 for f, t in zip(found, truth, strict=True)])
+        found = [[int(r["chunk_id"]) for r in reader.rows(row, ["chunk_id"])] for row in hits]
+        ours_recall = recall(found, truth)
         ivf.nprobe = nprobe
         t0 = time.perf_counter()
         _, ref_ids = ivf.search(queries, 10)
         base = time.perf_counter() - t0
-        ref_recall = np.mean([len(set(r.tolist()) & set(t.tolist())) / 10 for r, t in zip(ref_ids, truth, strict=True)])
+        ref_recall = recall(ref_ids.tolist(), truth)
         emit(bench="ivf_recall", n=len(x), nlist=len(centroids), nprobe=nprobe, queries=len(queries),
-             recall_at_10=round(float(recall), 4), qps=round(len(queries) / ours, 1),
-             faiss_recall_at_10=round(float(ref_recall), 4), faiss_qps=round(len(queries) / base, 1),
+             recall_at_10=round(ours_recall, 4), qps=round(len(queries) / ours, 1),
+             faiss_recall_at_10=round(ref_recall, 4), faiss_qps=round(len(queries) / base, 1),
              overhead=round(ours / base, 2))  # fmt: skip
 
 

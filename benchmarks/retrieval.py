@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 from confluent_kafka import Producer
 
-from benchmarks.index import TAGS, bench_peer, emit, synthetic, write_lake
+from benchmarks.index import TAGS, bench_peer, emit, recall, synthetic, write_lake
 from benchmarks.pydocs import embedded_pydocs
 from indexing.distributed import start_ray
 from indexing.ivf import BuildOptions, build_index, choose_nlist
@@ -85,10 +85,6 @@ class VectorsOnly(Embedder):
 def percentiles(seconds: list[float]) -> dict[str, float]:
     ms = np.array(seconds) * 1000
     return {"p50_ms": round(float(np.percentile(ms, 50)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 2)}
-
-
-def recall(found: list[list[int]], truth: np.ndarray) -> float:
-    return float(np.mean([len(set(f) & set(t.tolist())) / truth.shape[1] for f, t in zip(found, truth, strict=True)]))
 
 
 def synthetic_index(n: int, work: Path, queries: int) -> tuple[np.ndarray, np.ndarray, Path, Lake]:

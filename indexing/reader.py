@@ -201,10 +201,20 @@ class IndexReader:
                         for j in best[q] if ids_all[q, j] >= 0])  # fmt: skip
         return out
 
-    def rows(self, hits: list[Hit]) -> list[dict[str, object]]:
-        """The id-map rows (chunk version and lineage) of hits, in order."""
-        out = []
+    def rows(self, hits: list[Hit], columns: list[str] | None = None) -> list[dict[str, Any]]:
+        """The id-map rows (chunk version and lineage) of hits, in order, with their score."""
+        found: dict[tuple[int, int], dict[str, Any]] = {}
+        by_shard: dict[int, list[int]] = {}
         for hit in hits:
-            ids = self.shard(hit.shard).ids
-            out.append({**ids.slice(hit.faiss_id, 1).to_pylist()[0], "score": hit.score})
-        return out
+            by_shard.setdefault(hit.shard, []).append(hit.faiss_id)
+        for s, faiss_ids in by_shard.items():
+            found.update(
+                zip(((s, i) for i in faiss_ids), take_rows(self.shard(s).ids, faiss_ids, columns), strict=True)
+            )
+        return [{**found[(h.shard, h.faiss_id)], "score": h.score} for h in hits]
+
+
+def take_rows(table: pa.Table, indices: list[int], columns: list[str] | None = None) -> list[dict[str, Any]]:
+    """Rows ``indices`` of a table as dicts (one take for all of them; optionally some columns)."""
+    picked = (table.select(columns) if columns else table).take(pa.array(indices, pa.int64())).to_pydict()
+    return [dict(zip(picked, values, strict=True)) for values in zip(*picked.values(), strict=True)]

@@ -15,6 +15,7 @@ from typing import IO
 
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from serving.process import bind_error
 from serving.process import die_with_parent as die_with_parent
 from serving.process import free_port as free_port
 
@@ -39,12 +40,9 @@ def start_broker(
     port: int = 9092, host: str = "127.0.0.1", storage: str = "memory://tansu/", timeout_s: float = 15.0
 ) -> subprocess.Popen[bytes]:
     """Start Tansu on host:port; return once it accepts connections."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise BrokerError(f"{host}:{port} is already in use ({exc.strerror}); pick another --port.") from exc
+    problem = bind_error(host, port)
+    if problem is not None:
+        raise BrokerError(f"{host}:{port} is already in use ({problem.strerror}); pick another --port.") from problem
     url = f"tcp://{host}:{port}"
     env = {
         k: v for k, v in os.environ.items() if k not in ("LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE")

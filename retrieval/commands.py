@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from pipelines.storage import ObjectStoreSettings
+from serving.process import bind_error
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +109,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from retrieval.api import create_app
     from retrieval.auth import Tokens
 
-    with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((args.host, args.port))
-        except OSError as exc:
-            raise ValueError(
-                f"cannot listen on {args.host}:{args.port} ({exc.strerror}); pick another --port."
-            ) from exc
+    problem = bind_error(args.host, args.port)
+    if problem is not None:
+        raise ValueError(f"cannot listen on {args.host}:{args.port} ({problem.strerror}); pick another --port.")
     tokens = Tokens.load(args.tokens) if args.tokens else None
     if tokens is None and args.host not in LOOPBACK:
         raise ValueError(f"refusing to listen on {args.host} without --tokens: anyone could search. "

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from indexing.manifest import latest_version, load_manifest, versions
-from indexing.reader import IndexReader, LoadedShard, ShardSource
+from indexing.reader import IndexReader, LoadedShard, ShardSource, take_rows
 from indexing.store import ObjectStore
 from pipelines.lake import Lake
 from retrieval import metrics
@@ -406,26 +406,18 @@ class SearchEngine:
         merged += [(d, "tail", i) for i, d in tail.search(vector, k, tail_allowed)]
         merged.sort(key=lambda m: m[0])
         merged = merged[:k]
-        rows: dict[tuple[str, int], dict[str, Any]] = {}
-        by_shard: dict[int, list[int]] = {}
-        for _, origin, ref in merged:
-            if origin == "index":
-                by_shard.setdefault(ref.shard, []).append(ref.faiss_id)
-        for s, faiss_ids in by_shard.items():
-            rows.update(
-                ((f"i{s}", i), row) for i, row in zip(faiss_ids, _rows(reader.shard(s).ids, faiss_ids), strict=True)
-            )
-        tail_rows = [ref for _, origin, ref in merged if origin == "tail"]
-        if tail_rows:
-            rows.update((("tail", i), row) for i, row in zip(tail_rows, _rows(tail.live, tail_rows), strict=True))
+        index_hits = [h for _, origin, h in merged if origin == "index"]
+        index_rows = iter(reader.rows(index_hits, LINEAGE_COLUMNS))
+        tail_refs = [i for _, origin, i in merged if origin == "tail"]
+        tail_rows = iter(take_rows(tail.live, tail_refs, [*LINEAGE_COLUMNS, "lake_version"]))
         results = []
-        for distance, origin, ref in merged:
+        for distance, origin, _ in merged:  # both row lists are in merged order
             score = 1.0 - distance / 2.0
             if origin == "index":
-                row = rows[(f"i{ref.shard}", ref.faiss_id)]
+                row = next(index_rows)
                 results.append(lineage(row, score, reader.manifest.lake_version, reader.manifest.version, origin))
             else:
-                row = rows[("tail", ref)]
+                row = next(tail_rows)
                 results.append(lineage(row, score, row["lake_version"], reader.manifest.version, origin))
         return SearchResult(results, reader.manifest.version, tail.version, nprobe, tail.live.num_rows, {})
 
@@ -450,12 +442,6 @@ LINEAGE_COLUMNS = [
     "chunk_id", "doc_id", "title", "text", "chunk_index", "source_table", "source_pk", "position", "event_time",
     "kafka_topic", "kafka_partition", "kafka_offset",
 ]  # fmt: skip
-
-
-def _rows(table: pa.Table, indices: list[int]) -> list[dict[str, Any]]:
-    columns = [*LINEAGE_COLUMNS, "lake_version"] if "lake_version" in table.column_names else LINEAGE_COLUMNS
-    picked = table.select(columns).take(pa.array(indices, pa.int64())).to_pydict()
-    return [dict(zip(picked, values, strict=True)) for values in zip(*picked.values(), strict=True)]
 
 
 def _superseded(shard: LoadedShard, ids: frozenset[str]) -> np.ndarray:

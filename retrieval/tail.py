@@ -22,7 +22,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import unquote
 
 import numpy as np
@@ -75,9 +75,7 @@ class TailState:
     def advanced(self, new_rows: pa.Table, version: int) -> TailState:
         """This tail plus rows committed up to ``version``."""
         if new_rows.num_rows == 0:
-            return TailState(
-                self.base_version, version, self.rows, self.live, self.vectors, self.superseded, self.generation
-            )
+            return replace(self, version=version, checked_at=time.monotonic())
         return _state(self.base_version, version, pa.concat_tables([self.rows, new_rows]), self.generation + 1)
 
     def rebased(self, base_version: int) -> TailState:
@@ -176,10 +174,7 @@ class LakeTail:
             state = self.state
             rows, version = self.log.read(state.version, limit=MAX_COMMITS_PER_POLL)
             if version == state.version:
-                self.state = TailState(
-                    state.base_version, state.version, state.rows, state.live, state.vectors, state.superseded,
-                    state.generation,
-                )  # fmt: skip
+                self.state = replace(state, checked_at=time.monotonic())
                 return False
             self.state = state.advanced(rows, version)
             return True
