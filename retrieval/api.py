@@ -1,4 +1,4 @@
-"""The HTTP API (FastAPI): ``/v1/search``, ``/healthz``, ``/metrics``.
+"""The HTTP API (FastAPI): ``/v1/search``, ``/v1/answer``, ``/v1/lineage/…``, ``/healthz``, ``/metrics``.
 
 Every error is JSON ``{"error": "..."}`` with a 4xx status saying what was wrong (5xx
 only for the server's own faults, without internals). Endpoints that search are plain
@@ -8,22 +8,26 @@ the event loop that answers probes.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from retrieval import metrics
+from retrieval.answer import Answerer
 from retrieval.auth import Tokens, bearer
 from retrieval.engine import ANONYMOUS, Principal, SearchEngine, SearchError
+from retrieval.lineage import Lineage
+from serving.generator import GeneratorError
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,20 @@ class SearchRequest(BaseModel):
     query: str = Field(min_length=1, max_length=4096, description="what to search for")
     k: int = Field(default=10, ge=1, le=100, description="how many results")
     as_of: int | None = Field(default=None, ge=0, description="answer as of this lake version (audits)")
+
+
+class AnswerRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    question: str = Field(min_length=1, max_length=2000, description="the question to answer")
+    k: int = Field(default=5, ge=1, le=20, description="how many sources to ground the answer on")
+    stream: bool = Field(default=False, description="stream tokens as server-sent events")
+    as_of: int | None = Field(default=None, ge=0, description="answer from the lake as of this version")
+
+
+def sse(events: Iterator[tuple[str, dict[str, Any]]]) -> Iterator[str]:
+    for name, data in events:
+        yield f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
 
 class ApiError(Exception):
@@ -83,7 +101,9 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-def create_app(engine: SearchEngine, tokens: Tokens | None) -> FastAPI:
+def create_app(
+    engine: SearchEngine, tokens: Tokens | None, answerer: Answerer | None = None, lineage: Lineage | None = None
+) -> FastAPI:
     app = FastAPI(
         title="streamrag",
         summary="Search a streaming RAG index: IVF shards in object storage plus the live lake tail.",
@@ -119,6 +139,10 @@ def create_app(engine: SearchEngine, tokens: Tokens | None) -> FastAPI:
     async def search_error(_: Request, exc: SearchError) -> JSONResponse:
         return error(exc.status, str(exc), {"Retry-After": "5"} if exc.status == 503 else None)
 
+    @app.exception_handler(GeneratorError)
+    async def generator_error(_: Request, exc: GeneratorError) -> JSONResponse:
+        return error(502, f"the generator failed: {exc}")
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems = []
@@ -149,9 +173,46 @@ def create_app(engine: SearchEngine, tokens: Tokens | None) -> FastAPI:
             "took_ms": round((time.perf_counter() - t0) * 1000, 2),
         }
 
+    @app.post("/v1/answer", response_model=None)
+    def answer(body: AnswerRequest, who: Principal = Depends(principal)) -> dict[str, Any] | StreamingResponse:  # noqa: B008
+        if answerer is None:
+            raise ApiError(404, "answers are not enabled on this service (it was started without a generator)")
+        prepared = answerer.prepare(body.question, body.k, who, body.as_of)  # errors here are plain JSON
+        if not body.stream:
+            return answerer.answer(prepared)
+        return StreamingResponse(
+            sse(answerer.stream(prepared)),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Answer-Id": prepared.answer_id},
+        )
+
+    def _lineage() -> Lineage:
+        if lineage is None:
+            raise ApiError(404, "lineage is not enabled on this service")
+        return lineage
+
+    @app.get("/v1/lineage/answers/{answer_id}")
+    def answer_lineage(answer_id: str, who: Principal = Depends(principal)) -> dict[str, Any]:  # noqa: B008
+        return _lineage().answer(answer_id, who)
+
+    @app.get("/v1/lineage/sources/{table}/{pk:path}")
+    def source_lineage(table: str, pk: str, who: Principal = Depends(principal)) -> dict[str, Any]:  # noqa: B008
+        return _lineage().source(table, pk, who)
+
+    @app.get("/v1/lineage/chunks/{chunk_id}")
+    def chunk_lineage(chunk_id: str, who: Principal = Depends(principal)) -> dict[str, Any]:  # noqa: B008
+        return _lineage().chunk(chunk_id, who)
+
     @app.get("/healthz")
     def healthz() -> JSONResponse:
         health = engine.health()
+        if answerer is not None and health["status"] != "starting":
+            if answerer.audit is not None and not answerer.audit.healthy:
+                health["problems"].append(f"audit log: {answerer.audit.last_error}")
+            if answerer.last_error:
+                health["problems"].append(f"generator: {answerer.last_error}")
+            if health["problems"]:
+                health["status"] = "degraded"
         return JSONResponse(health, status_code=200 if health["status"] != "starting" else 503)
 
     @app.get("/metrics")

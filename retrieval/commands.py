@@ -1,10 +1,13 @@
-"""CLI: ``streamrag serve`` (the HTTP API) and ``streamrag search`` (the same engine, in-process)."""
+"""CLI: ``streamrag serve`` (the HTTP API), ``streamrag search`` (the same engine, in-process)
+and ``streamrag lineage`` (audit queries over the lake)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -37,7 +40,35 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--tokens", type=Path, metavar="FILE", help="bearer tokens → principal and groups (YAML/JSON)")
     p.add_argument("--tail-poll", type=float, default=0.5, help="seconds between polls of the lake (0.5)")
     p.add_argument("--index-poll", type=float, default=5.0, help="seconds between checks for a new index (5)")
+    p.add_argument(
+        "--generator-url",
+        metavar="URL",
+        help="OpenAI-compatible API for answers, e.g. http://vllm:8000/v1 (default: the embedded SmolLM2 server)",
+    )
+    p.add_argument("--generator-model", help="model name to ask for (default: the first one /v1/models lists)")
+    p.add_argument("--max-tokens", type=int, default=256, help="longest answer in tokens (256)")
+    p.add_argument("--generator-threads", type=int, help="CPU threads of the embedded generator (half the cores)")
+    p.add_argument("--no-answers", action="store_true", help="serve search and lineage only (no generator)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("lineage", help="audit queries: where an answer came from, what a source row fed")
+    lsub = p.add_subparsers(dest="lineage_command", required=True)
+    for name, about, params in (
+        ("answer", "answer → citations → chunk versions → source rows, versions, models", ["answer_id"]),
+        ("source", "source row → chunk versions → answers that used it", ["table", "pk"]),
+        ("chunk", "a chunk's versions and the answers that used it", ["chunk_id"]),
+    ):
+        q = lsub.add_parser(name, help=about)
+        for param in params:
+            q.add_argument(param)
+        q.add_argument("--lake", required=True, metavar="URI")
+        q.add_argument(
+            "--groups",
+            help="see only what a caller in these comma-separated groups may see (default: everything, as an auditor)",
+        )
+        q.add_argument("--principal", default="cli", help="with --groups: the caller's name (their own answers)")
+        q.add_argument("--json", action="store_true")
+        q.set_defaults(func=cmd_lineage)
 
     p = sub.add_parser("search", help="search from the command line (same engine as the API)")
     p.add_argument("query")
@@ -103,11 +134,43 @@ def _load_in_background(engine: Any, stop: threading.Event) -> None:
         stop.wait(5)
 
 
+def _answers(args: argparse.Namespace, engine: Any, stack: Any) -> Any:
+    """The answerer (generator client + audit log), or None with --no-answers."""
+    from retrieval.answer import Answerer
+    from retrieval.audit import AuditLog
+    from serving.generator import Generator, GeneratorSettings
+    from serving.local_generator import EmbeddedGenerator
+
+    if args.no_answers:
+        return None
+    identity = None
+    url = args.generator_url
+    if url is None:
+        embedded = EmbeddedGenerator(threads=args.generator_threads)
+        log.info("starting the embedded generator (%s); use --generator-url for vLLM", embedded.model.name)
+        url = embedded.start()
+        stack.callback(embedded.stop)
+        identity = embedded.identity
+    settings = GeneratorSettings(
+        url, model=args.generator_model, api_key=os.environ.get("STREAMRAG_GENERATOR_API_KEY"),
+        max_tokens=args.max_tokens,
+    )  # fmt: skip
+    generator = Generator(settings)
+    stack.callback(generator.close)
+    audit = AuditLog(engine.lake)
+    audit.start()
+    stack.callback(audit.stop)  # drains: no audit record lost on a graceful stop
+    return Answerer(engine, generator, audit, identity)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    import contextlib
+
     import uvicorn
 
     from retrieval.api import create_app
     from retrieval.auth import Tokens
+    from retrieval.lineage import Lineage
 
     problem = bind_error(args.host, args.port)
     if problem is not None:
@@ -120,18 +183,103 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.warning("authentication is off (no --tokens): every caller is 'anonymous' and sees public documents only")
     else:
         log.info("authentication on: %d tokens", len(tokens))
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be at least 1.")
     engine = _engine(args, args.tail_poll, args.index_poll)
-    stop = threading.Event()
-    loader = threading.Thread(target=_load_in_background, args=(engine, stop), name="engine-loader", daemon=True)
-    loader.start()
-    app = create_app(engine, tokens)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
-    t0 = time.monotonic()
-    try:
-        server.run()
-    finally:
-        stop.set()
-        engine.stop()
+    with contextlib.ExitStack() as stack:
+        answerer = _answers(args, engine, stack)
+        stop = threading.Event()
+        loader = threading.Thread(target=_load_in_background, args=(engine, stop), name="engine-loader", daemon=True)
+        loader.start()
+        audit = answerer.audit if answerer is not None else None
+        app = create_app(engine, tokens, answerer, Lineage(engine.lake, audit))
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        server = uvicorn.Server(config)
+
+        def on_signal(_signum: int, _frame: object) -> None:
+            server.should_exit = True
+
+        # uvicorn re-raises the signal that stopped it once it is done; with these handlers
+        # that ends here, and the audit log drains below instead of the process dying.
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        t0 = time.monotonic()
+        try:
+            server.run()
+        finally:
+            stop.set()
+            engine.stop()
     log.info("stopped after %.0f s", time.monotonic() - t0)
     return 0 if server.started else 1
+
+
+def cmd_lineage(args: argparse.Namespace) -> int:
+    from pipelines.lake import Lake
+    from retrieval.engine import Principal
+    from retrieval.lineage import AUDITOR, Lineage
+
+    lineage = Lineage(Lake.at(args.lake, ObjectStoreSettings.from_env()))
+    if args.groups is None:
+        who = Principal(args.principal, frozenset({AUDITOR}))
+    else:
+        who = Principal(args.principal, frozenset(g.strip() for g in args.groups.split(",") if g.strip()))
+    if args.lineage_command == "answer":
+        found = lineage.answer(args.answer_id, who)
+    elif args.lineage_command == "source":
+        found = lineage.source(args.table, args.pk, who)
+    else:
+        found = lineage.chunk(args.chunk_id, who)
+    if args.json:
+        print(json.dumps(found, default=str))
+    else:
+        print(render_lineage(args.lineage_command, found))
+    return 0
+
+
+def _where(v: dict[str, Any]) -> str:
+    src, kafka = v["source"], v["source"]["kafka"]
+    return (
+        f"{src['table']} pk={src['pk']} position={src['position']} event_time={src['event_time']}\n"
+        f"        kafka {kafka['topic']}[{kafka['partition']}]@{kafka['offset']}  ingested {v['ingest_time']}  "
+        f"embedding {v['embedding_model']}"
+    )
+
+
+def render_lineage(kind: str, found: dict[str, Any]) -> str:
+    """The lineage chain as a person reads it."""
+    lines = []
+    if kind == "answer":
+        models = found["models"]
+        lines += [
+            f"answer {found['answer_id']}  ({found['status']}, {found['time']}, asked by {found['principal']})",
+            f"  question: {found['question']}",
+            f"  answer:   {found['answer']}",
+            f"  lake version {found['lake_version']}, index version {found['index_version']}",
+            f"  models: embedder {models['embedder']}; generator {models['generator']} at {models['generator_url']}",
+            f"  prompt sha256 {found['prompt_hash']}",
+            "  sources (the chunk versions in the prompt; * = cited):",
+        ]
+        cited = {c["n"] for c in found["citations"]}
+        for s in found["sources"]:
+            mark = "*" if s["n"] in cited else " "
+            if not s.get("visible"):
+                lines.append(f"   {mark}[{s['n']}] (not visible to you)")
+                continue
+            lines.append(f"   {mark}[{s['n']}] chunk {s['chunk_id']} of {s['doc_id']} ({s['origin']}, lake version "
+                         f"{s['lake_version']}, now {s['now']})")  # fmt: skip
+            lines.append(f"        {_where(s)}")
+        for i, sentence in enumerate(found["sentences"]):
+            support = ",".join(str(n) for n in sentence["sources"]) or "none: flagged"
+            lines.append(f"  sentence {i + 1} [{support}]: {sentence['text']}")
+    else:
+        title = f"source {found['table']}/{found['pk']}" if kind == "source" else f"chunk {found['chunk_id']}"
+        lines.append(f"{title}: {found['status']}")
+        versions = found["chunk_versions"] if kind == "source" else found["versions"]
+        lines.append(f"  {len(versions)} chunk versions:")
+        for v in versions:
+            lines.append(f"    {v['op']:<6} chunk {v['chunk_id']} #{v['chunk_index']}  {_where(v)}")
+        lines.append(f"  {len(found['answers'])} answers used it:")
+        for a in found["answers"]:
+            use = "cited" if a["cited"] else "in prompt"
+            lines.append(f"    {a['answer_id']}  {a['time']}  {a['principal']}  {use}  {a['question'][:80]}")
+    return "\n".join(lines)

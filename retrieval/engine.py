@@ -127,6 +127,11 @@ class QueryEmbedder:
     def embed(self, text: str) -> np.ndarray:
         return self._cache.get(text, lambda: self._embed(text))
 
+    def embed_texts(self, texts: list[str]) -> np.ndarray:
+        """A batch of other texts (answer sentences, sources), one model call at a time."""
+        with self._run_lock:
+            return self.embedder.embed(texts)
+
     def _embed(self, text: str) -> np.ndarray:
         future: Future[np.ndarray] = Future()
         with self._pending_lock:

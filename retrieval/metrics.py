@@ -34,3 +34,17 @@ TAIL_POLL_ERRORS = Counter("streamrag_tail_poll_errors_total", "Failed polls of 
 INDEX_VERSION = Gauge("streamrag_index_version", "Index version being served")
 LAKE_VERSION = Gauge("streamrag_lake_version", "Newest lake version the service has read")
 INDEX_SWAPS = Counter("streamrag_index_swaps_total", "Switches to a newly published index version")
+ANSWER_SECONDS = Histogram(
+    "streamrag_answer_seconds",
+    "Answer latency, by stage (retrieve, first_token, total)",
+    ["stage"],
+    buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60),
+)
+ANSWERS = Counter("streamrag_answers_total", "Answers, by outcome", ["status"])  # answered | no_answer | failed
+FLAGGED_SENTENCES = Counter("streamrag_answer_flagged_sentences_total", "Answer sentences no source supports")
+AUDIT_QUEUE = Gauge("streamrag_audit_queue", "Answer records waiting to be written to the audit table")
+AUDIT_WRITTEN = Counter("streamrag_audit_written_total", "Answer records written to the audit table")
+AUDIT_FAILURES = Counter("streamrag_audit_write_failures_total", "Failed writes to the audit table (retried)")
+AUDIT_DROPPED = Counter(
+    "streamrag_audit_dropped_total", "Answer records dropped because the audit queue was full (logged in full)"
+)

@@ -15,11 +15,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from serving.embedder import Embedder
 from serving.prompt import Source
+
+
+class Embeds(Protocol):
+    """Anything that embeds a list of texts to unit vectors (an Embedder, or a locked wrapper)."""
+
+    def embed(self, texts: list[str]) -> np.ndarray: ...
+
 
 _MARKER = re.compile(r"\[(\d+(?:\s*[,;]\s*\d+)*)\]")
 _SENTENCE = re.compile(r"(?<=[.!?])(?:\s*\[\d+(?:\s*[,;]\s*\d+)*\])*\s+(?=[A-Z0-9\"'(])")
@@ -55,7 +62,7 @@ def markers(sentence: str) -> list[int]:
 
 
 def strip_markers(sentence: str) -> str:
-    return " ".join(_MARKER.sub(" ", sentence).split())
+    return re.sub(r"\s+([.,;:!?])", r"\1", " ".join(_MARKER.sub(" ", sentence).split()))
 
 
 @dataclass
@@ -94,7 +101,7 @@ class Attribution:
 def attribute(
     answer: str,
     sources: list[Source],
-    embedder: Embedder,
+    embedder: Embeds,
     threshold: float = 0.5,
     marker_threshold: float = 0.3,
     source_vectors: np.ndarray | None = None,

@@ -8,6 +8,7 @@ disk without importing the package.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
@@ -52,6 +53,15 @@ class EmbeddedGenerator:
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = tempfile.TemporaryFile()
+
+    @property
+    def identity(self) -> str:
+        """The model file's name and content hash (recorded with every answer)."""
+        digest = hashlib.sha256()
+        with self.model.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        return f"{self.model.name}@sha256:{digest.hexdigest()[:16]}"
 
     def start(self, timeout_s: float = 120.0) -> str:
         if importlib.util.find_spec("llama_cpp") is None:

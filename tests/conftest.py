@@ -1,4 +1,5 @@
-"""Shared fixtures: fake and real embedders, a real Tansu broker, a real S3 server (moto)."""
+"""Shared fixtures: fake and real embedders, the real embedded generator (llama.cpp on
+SmolLM2), a real Tansu broker, a real S3 server (moto)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def real_embedder() -> Embedder:
     from serving.embedder import SentenceTransformerEmbedder
 
     return SentenceTransformerEmbedder(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def generator_url() -> Iterator[str]:
+    """The embedded llama.cpp server on SmolLM2-135M-Instruct, started once per session."""
+    from serving.local_generator import EmbeddedGenerator
+
+    with EmbeddedGenerator(threads=2) as gen:
+        yield gen.base_url
 
 
 def free_port() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -151,6 +152,18 @@ def test_serve_from_s3_with_a_cold_cache(s3_lake: str, s3_server, tmp_path: Path
         ]
         assert fetched and float(fetched[0].split()[-1]) > 0
         assert any(p.stat().st_size > 0 for p in (tmp_path / "cache").iterdir())
+        # Answers from the embedded generator (the default: no --generator-url), audited on S3.
+        r = httpx.post(f"{url}/v1/answer", json={"question": "What does the lake store?", "k": 2}, timeout=300)
+        assert r.status_code == 200, r.text
+        answer_id = r.json()["answer_id"]
+        proc.send_signal(signal.SIGINT)  # a graceful stop flushes the audit log
+        assert proc.wait(60) == 0
     finally:
-        kill_group(proc)
+        if proc.poll() is None:
+            kill_group(proc)
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
+    out = cli("lineage", "answer", answer_id, "--lake", s3_lake, "--json", env=s3_server.env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    chain = json.loads(out.stdout)
+    assert chain["models"]["generator"].endswith(".gguf@sha256:" + chain["models"]["generator"][-16:])
+    assert len(chain["sources"]) == 2 and all(s["source"]["table"] == "public.docs" for s in chain["sources"])

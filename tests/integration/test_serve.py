@@ -92,7 +92,7 @@ def service(broker: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     )
     port = free_port()
     proc = start(["serve", "--lake", lake, "--index", index, "--port", str(port), "--tokens", str(tmp / "tokens.yaml"),
-                  "--tail-poll", "0.2", "--index-poll", "0.5", "--cache-dir", str(tmp / "cache")],
+                  "--tail-poll", "0.2", "--index-poll", "0.5", "--cache-dir", str(tmp / "cache"), "--no-answers"],
                  None, tmp / "serve.log")  # fmt: skip
     svc.url = f"http://127.0.0.1:{port}"
     try:

@@ -1,0 +1,293 @@
+"""Grounded answers: search → numbered sources → generator → validated citations → audit.
+
+The caller's search runs first (ACLs applied there), so the prompt only ever holds text
+the caller may see; with nothing visible the answer is an explicit "no answer" and the
+generator is not called. Citations do not rely on the model: every answer sentence is
+attributed to the sources that support it (``serving.citations``), markers the model
+wrote are kept only when valid and supported, and unsupported sentences are flagged.
+Every outcome (answered, no answer, failed) is one record in the audit log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from retrieval import metrics
+from retrieval.audit import AuditLog, now
+from retrieval.engine import Principal, QueryEmbedder, SearchEngine, SearchError, SearchResult
+from serving.citations import Attribution, attribute, strip_markers
+from serving.generator import Generator, GeneratorError
+from serving.prompt import Source, build_messages, prompt_hash
+
+log = logging.getLogger(__name__)
+
+NO_ANSWER = "I found no sources you are allowed to see that could answer this question."
+
+
+@dataclass(frozen=True)
+class AnswerOptions:
+    #: characters of each source put in the prompt (SmolLM2's context is 2048 tokens)
+    max_source_chars: int = 1200
+    #: sentence ↔ source similarity that counts as support (see serving.citations)
+    threshold: float = 0.5
+    marker_threshold: float = 0.3
+    max_question_chars: int = 2000
+    max_k: int = 20
+
+
+@dataclass
+class Prepared:
+    """A question after retrieval, before generation."""
+
+    answer_id: str
+    question: str
+    principal: Principal
+    k: int
+    as_of: int | None
+    result: SearchResult
+    sources: list[Source]
+    messages: list[dict[str, str]]
+    prompt_hash: str
+    started: float
+    retrieve_s: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class _Embeds:
+    """The query embedder's lock around sentence/source embedding (one model call at a time)."""
+
+    def __init__(self, queries: QueryEmbedder) -> None:
+        self.queries = queries
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        return self.queries.embed_texts(texts)
+
+
+class Answerer:
+    def __init__(
+        self,
+        engine: SearchEngine,
+        generator: Generator,
+        audit: AuditLog | None,
+        generator_identity: str | None = None,
+        options: AnswerOptions = AnswerOptions(),
+    ) -> None:
+        self.engine = engine
+        self.generator = generator
+        self.audit = audit
+        self.options = options
+        self.last_error: str | None = None  # the generator's last failure, until it answers again
+        self._identity = generator_identity
+
+    @property
+    def generator_identity(self) -> str:
+        if self._identity is None:
+            self._identity = self.generator.model
+        return self._identity
+
+    # -- stages ------------------------------------------------------------------------------
+
+    def prepare(self, question: str, k: int, principal: Principal, as_of: int | None = None) -> Prepared:
+        if not isinstance(question, str) or not question.strip():
+            raise SearchError("question must be a non-empty string.")
+        if len(question) > self.options.max_question_chars:
+            limit = self.options.max_question_chars
+            raise SearchError(f"question is {len(question)} characters; the limit is {limit}.")
+        if not 1 <= k <= self.options.max_k:
+            raise SearchError(f"k must be between 1 and {self.options.max_k}.")
+        t0 = time.perf_counter()
+        result = self.engine.search(question, k, principal, as_of)
+        sources = [
+            Source(n, r.get("title") or "", _clip(r["text"], self.options.max_source_chars))
+            for n, r in enumerate(result.results, 1)
+        ]
+        messages = build_messages(question, sources)
+        retrieve_s = time.perf_counter() - t0
+        metrics.ANSWER_SECONDS.labels("retrieve").observe(retrieve_s)
+        return Prepared(uuid.uuid4().hex, question, principal, k, as_of, result, sources, messages,
+                        prompt_hash(messages), t0, retrieve_s)  # fmt: skip
+
+    def answer(self, p: Prepared) -> dict[str, Any]:
+        """Generate without streaming; raises GeneratorError (after auditing the failure)."""
+        if not p.sources:
+            return self._finish(p, None, streamed=False)
+        try:
+            completion = self.generator.complete(p.messages)
+        except GeneratorError as exc:
+            self._failed(p, str(exc), streamed=False)
+            raise
+        p.timings["first_token_s"] = time.perf_counter() - p.started  # not streamed: the whole text at once
+        return self._finish(p, completion.text, streamed=False)
+
+    def stream(self, p: Prepared) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Events: ("token", {"text"}) as the model writes, then ("done", answer) or ("error", {...})."""
+        if not p.sources:
+            yield "done", self._finish(p, None, streamed=True)
+            return
+        parts: list[str] = []
+        try:
+            for token in self.generator.stream(p.messages):
+                if not parts:
+                    p.timings["first_token_s"] = time.perf_counter() - p.started
+                parts.append(token)
+                yield "token", {"text": token}
+        except GeneratorError as exc:
+            self._failed(p, str(exc), streamed=True, partial="".join(parts))
+            yield "error", {"error": str(exc), "answer_id": p.answer_id}
+            return
+        except GeneratorExit:  # the client went away mid-stream: still audited
+            self._failed(p, "client disconnected during the stream", True, "".join(parts), generator_fault=False)
+            raise
+        yield "done", self._finish(p, "".join(parts), streamed=True)
+
+    # -- results -----------------------------------------------------------------------------
+
+    def _finish(self, p: Prepared, text: str | None, streamed: bool) -> dict[str, Any]:
+        results = p.result.results
+        if text is None:
+            attribution = Attribution([])
+            status, shown = "no_answer", NO_ANSWER
+        else:
+            attribution = attribute(text, p.sources, _Embeds(self.engine.queries), self.options.threshold,
+                                    self.options.marker_threshold)  # fmt: skip
+            status, shown = "answered", _with_citations(attribution) or text.strip()
+        total_s = time.perf_counter() - p.started
+        citations = []
+        for n in attribution.cited:
+            r = results[n - 1]
+            used = [i for i, s in enumerate(attribution.sentences) if n in s.sources]
+            support = max(attribution.sentences[i].scores[n] for i in used)
+            citations.append({
+                "n": n, "chunk_id": r["chunk_id"], "doc_id": r["doc_id"], "title": r.get("title"),
+                "source": r["source"], "lake_version": r["lake_version"], "index_version": r["index_version"],
+                "support": support, "sentences": used,
+            })  # fmt: skip
+        sentences = [
+            {"text": strip_markers(s.text), "sources": s.sources, "scores": {str(n): v for n, v in s.scores.items()},
+             "flagged": s.flagged, "invalid_markers": s.invalid, "unsupported_markers": s.unsupported}
+            for s in attribution.sentences
+        ]  # fmt: skip
+        timings = {"retrieve_ms": _ms(p.retrieve_s), "first_token_ms": _ms(p.timings.get("first_token_s")),
+                   "total_ms": _ms(total_s)}  # fmt: skip
+        payload: dict[str, Any] = {
+            "answer_id": p.answer_id,
+            "no_answer": text is None,
+            "answer": shown,
+            "raw_answer": text,
+            "citations": citations,
+            "sentences": sentences,
+            "flagged": [s["text"] for s in sentences if s["flagged"]],
+            "sources": [
+                {
+                    "n": s.n,
+                    "chunk_id": r["chunk_id"],
+                    "doc_id": r["doc_id"],
+                    "title": r.get("title"),
+                    "score": r["score"],
+                }
+                for s, r in zip(p.sources, results, strict=True)
+            ],
+            "model": self.generator_identity if text is not None else None,
+            "lake_version": p.result.lake_version,
+            "index_version": p.result.index_version,
+            "timings": timings,
+        }
+        metrics.ANSWERS.labels(status).inc()
+        if text is not None:
+            self.last_error = None
+        metrics.ANSWER_SECONDS.labels("total").observe(total_s)
+        if "first_token_s" in p.timings:
+            metrics.ANSWER_SECONDS.labels("first_token").observe(p.timings["first_token_s"])
+        metrics.FLAGGED_SENTENCES.inc(len(payload["flagged"]))
+        self._audit(p, status, shown, text, citations, sentences, streamed, timings, None)
+        return payload
+
+    def _failed(self, p: Prepared, error: str, streamed: bool, partial: str = "", generator_fault: bool = True) -> None:
+        metrics.ANSWERS.labels("failed").inc()
+        if generator_fault:
+            self.last_error = error
+        timings = {"retrieve_ms": _ms(p.retrieve_s), "first_token_ms": _ms(p.timings.get("first_token_s")),
+                   "total_ms": _ms(time.perf_counter() - p.started)}  # fmt: skip
+        self._audit(p, "failed", None, partial or None, [], [], streamed, timings, error)
+
+    def _audit(
+        self,
+        p: Prepared,
+        status: str,
+        shown: str | None,
+        raw: str | None,
+        citations: list[dict[str, Any]],
+        sentences: list[dict[str, Any]],
+        streamed: bool,
+        timings: dict[str, float | None],
+        error: str | None,
+    ) -> None:
+        if self.audit is None:
+            return
+        results = p.result.results
+        self.audit.record({
+            "answer_id": p.answer_id,
+            "time": now(),
+            "principal": p.principal.name,
+            "groups": sorted(p.principal.groups),
+            "question": p.question,
+            "status": status,
+            "answer": shown,
+            "raw_answer": raw,
+            "sources": [
+                {"n": s.n, "chunk_id": r["chunk_id"], "doc_id": r["doc_id"], "source_table": r["source"]["table"],
+                 "source_pk": r["source"]["pk"], "position": r["source"]["position"],
+                 "kafka_topic": r["source"]["kafka"]["topic"], "kafka_partition": r["source"]["kafka"]["partition"],
+                 "kafka_offset": r["source"]["kafka"]["offset"], "lake_version": r["lake_version"],
+                 "origin": r["origin"], "score": r["score"]}
+                for s, r in zip(p.sources, results, strict=True)
+            ],
+            "citations": [{"n": c["n"], "chunk_id": c["chunk_id"], "support": c["support"]} for c in citations],
+            "sentences": json.dumps(sentences),
+            "flagged_sentences": sum(1 for s in sentences if s["flagged"]),
+            "k": p.k,
+            "as_of": p.as_of,
+            "lake_version": p.result.lake_version,
+            "index_version": p.result.index_version,
+            "embedder": str(self.engine.embedder.identity),
+            "generator": self._identity if status != "no_answer" else None,
+            "generator_url": self.generator.settings.base_url,
+            "prompt_hash": p.prompt_hash if p.sources else None,
+            "streamed": streamed,
+            **timings,
+            "error": error,
+        })  # fmt: skip
+
+
+def _clip(text: str, limit: int) -> str:
+    text = text.strip()
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit * 0.8 else cut) + " …"
+
+
+def _with_citations(attribution: Attribution) -> str:
+    """The answer as returned: each sentence with the markers that survived validation."""
+    out = []
+    for s in attribution.sentences:
+        plain = strip_markers(s.text)
+        if s.sources:
+            cite = "".join(f"[{n}]" for n in sorted(s.sources))
+            end = plain[-1] if plain[-1] in ".!?" else ""
+            plain = f"{plain[: len(plain) - len(end)]} {cite}{end}"
+        out.append(plain)
+    return " ".join(out)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)

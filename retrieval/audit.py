@@ -1,0 +1,235 @@
+"""The audit log: every answer appended to the Delta table ``answers`` in the lake.
+
+Requests hand their record to :class:`AuditLog` and return; a writer thread appends
+records in batches (every ``flush_rows`` records or ``flush_s`` seconds). A failed write
+is retried with backoff and its rows kept; each commit carries a Delta app transaction
+(this writer's id and sequence number), so a commit that landed but failed to answer is
+not written twice. ``stop()`` drains the queue: no record is lost on a graceful stop.
+When the queue is full (the lake unreachable for a long time) a request waits at most
+``put_timeout_s`` and the record is then counted as dropped and logged in full.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+from pipelines.lake import Lake
+from retrieval import metrics
+
+log = logging.getLogger(__name__)
+
+ANSWERS = "answers"
+
+_TS = pa.timestamp("us", tz="UTC")
+
+#: one chunk version sent to the generator, with the coordinates lineage needs
+SOURCE_TYPE = pa.struct(
+    [
+        ("n", pa.int32()),
+        ("chunk_id", pa.string()),
+        ("doc_id", pa.string()),
+        ("source_table", pa.string()),
+        ("source_pk", pa.string()),
+        ("position", pa.string()),
+        ("kafka_topic", pa.string()),
+        ("kafka_partition", pa.int32()),
+        ("kafka_offset", pa.int64()),
+        ("lake_version", pa.int64()),
+        ("origin", pa.string()),
+        ("score", pa.float32()),
+    ]
+)
+CITATION_TYPE = pa.struct([("n", pa.int32()), ("chunk_id", pa.string()), ("support", pa.float32())])
+
+ANSWERS_SCHEMA = pa.schema(
+    [
+        ("answer_id", pa.string()),
+        ("time", _TS),
+        ("principal", pa.string()),
+        ("groups", pa.list_(pa.string())),
+        ("question", pa.string()),
+        ("status", pa.string()),  # answered | no_answer | failed
+        ("answer", pa.string()),  # as returned: validated markers, flagged sentences unmarked
+        ("raw_answer", pa.string()),  # as the model wrote it
+        ("sources", pa.list_(SOURCE_TYPE)),
+        ("citations", pa.list_(CITATION_TYPE)),
+        ("sentences", pa.string()),  # JSON: per sentence, its support and scores
+        ("flagged_sentences", pa.int32()),
+        ("k", pa.int32()),
+        ("as_of", pa.int64()),
+        ("lake_version", pa.int64()),
+        ("index_version", pa.int64()),
+        ("embedder", pa.string()),
+        ("generator", pa.string()),
+        ("generator_url", pa.string()),
+        ("prompt_hash", pa.string()),
+        ("streamed", pa.bool_()),
+        ("retrieve_ms", pa.float64()),
+        ("first_token_ms", pa.float64()),
+        ("total_ms", pa.float64()),
+        ("error", pa.string()),
+    ]
+)
+
+
+def ensure_answers_table(lake: Lake) -> None:
+    DeltaTable.create(
+        lake.table_uri(ANSWERS),
+        ANSWERS_SCHEMA,
+        mode="ignore",
+        description="streamrag answers audit table",
+        storage_options=lake.options,
+    )
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+class AuditLog:
+    def __init__(
+        self,
+        lake: Lake,
+        flush_rows: int = 64,
+        flush_s: float = 1.0,
+        max_queue: int = 10_000,
+        put_timeout_s: float = 2.0,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+    ) -> None:
+        self.lake = lake
+        self.flush_rows = flush_rows
+        self.flush_s = flush_s
+        self.put_timeout_s = put_timeout_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.app_id = f"audit-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.last_error: str | None = None
+        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(max_queue)
+        self._pending: set[str] = set()  # answer ids not written yet
+        self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._table: DeltaTable | None = None
+        self._seq = 0
+
+    # -- requests --------------------------------------------------------------------------
+
+    def record(self, row: dict[str, Any]) -> None:
+        """Queue one answer record; never blocks longer than ``put_timeout_s``."""
+        with self._lock:
+            self._pending.add(row["answer_id"])
+        try:
+            self._queue.put(row, timeout=self.put_timeout_s)
+        except queue.Full:
+            with self._lock:
+                self._pending.discard(row["answer_id"])
+            metrics.AUDIT_DROPPED.inc()
+            log.error("audit queue full (lake unreachable?); record not written: %s", json.dumps(row, default=str))
+            return
+        metrics.AUDIT_QUEUE.set(self._queue.qsize())
+
+    def pending(self, answer_id: str) -> bool:
+        with self._lock:
+            return answer_id in self._pending
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every record queued so far is written; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._written.wait(min(left, 0.2))
+        return True
+
+    @property
+    def healthy(self) -> bool:
+        return self.last_error is None
+
+    # -- writer ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="audit-writer", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Write everything queued, then stop."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.error("audit writer still busy after %.0f s; %d records unwritten", timeout_s, len(self._pending))
+
+    def _run(self) -> None:
+        batch: list[dict[str, Any]] = []
+        while True:
+            deadline = time.monotonic() + self.flush_s
+            while len(batch) < self.flush_rows:
+                try:
+                    batch.append(self._queue.get(timeout=max(0.0, min(0.2, deadline - time.monotonic()))))
+                except queue.Empty:
+                    if time.monotonic() >= deadline or self._stop.is_set():
+                        break
+            metrics.AUDIT_QUEUE.set(self._queue.qsize())
+            if batch:
+                self._write_until_done(batch)
+                batch = []
+            if self._stop.is_set() and self._queue.empty():
+                return
+
+    def _write_until_done(self, batch: list[dict[str, Any]]) -> None:
+        delay = self.backoff_s
+        while True:
+            try:
+                self._write(batch)
+            except Exception as exc:  # noqa: BLE001 - keep the rows, retry
+                metrics.AUDIT_FAILURES.inc()
+                if str(exc) != self.last_error:
+                    log.warning("audit write of %d records failed (retrying): %s", len(batch), exc)
+                self.last_error = str(exc)
+                if self._stop.is_set() and delay >= self.max_backoff_s:
+                    lost = json.dumps(batch, default=str)
+                    log.error("giving up on %d audit records at shutdown: %s", len(batch), lost)
+                    self._done(batch)
+                    return
+                time.sleep(delay)
+                delay = min(self.max_backoff_s, delay * 2)
+                continue
+            self.last_error = None
+            metrics.AUDIT_WRITTEN.inc(len(batch))
+            self._done(batch)
+            return
+
+    def _done(self, batch: list[dict[str, Any]]) -> None:
+        with self._lock:
+            for row in batch:
+                self._pending.discard(row["answer_id"])
+            self._written.notify_all()
+
+    def _write(self, batch: list[dict[str, Any]]) -> None:
+        if self._table is None:
+            ensure_answers_table(self.lake)
+            self._table = DeltaTable(self.lake.table_uri(ANSWERS), storage_options=self.lake.options)
+        table = self._table
+        seq = self._seq + 1
+        table.update_incremental()
+        if (table.transaction_version(self.app_id) or 0) < seq:  # else: an earlier attempt landed
+            rows = pa.Table.from_pylist(batch, schema=ANSWERS_SCHEMA)
+            props = CommitProperties(app_transactions=[Transaction(self.app_id, seq)])
+            write_deltalake(table, rows, mode="append", commit_properties=props)
+        self._seq = seq

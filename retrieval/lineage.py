@@ -1,0 +1,225 @@
+"""Lineage queries for audits, over the lake's ``chunks`` and ``answers`` tables.
+
+- :meth:`Lineage.answer`: answer → its sources and citations → each chunk version →
+  source table, key, position, Kafka coordinates, event time → lake version, index
+  version, models; and whether that chunk version is still current.
+- :meth:`Lineage.source`: source row → every chunk version derived from it (ops, times)
+  → every answer that used it (impact analysis, right-to-be-forgotten requests).
+- :meth:`Lineage.chunk`: one chunk's history and the answers that used it.
+
+ACLs apply as in search: a caller sees a chunk version only if its ACL admits them, an
+answer only if they asked it, and nothing at all reveals that hidden things exist (not
+found, not forbidden). Members of the ``auditor`` group see everything.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipelines.lake import CHUNKS, Lake, LakeError, latest_rows
+from retrieval.audit import ANSWERS, AuditLog
+from retrieval.engine import Principal, SearchError, acl_mask
+
+AUDITOR = "auditor"
+
+#: chunk columns lineage reports (never the embedding)
+CHUNK_COLUMNS = [
+    "chunk_id", "doc_id", "source_table", "source_pk", "position", "op", "chunk_index", "title", "text",
+    "content_hash", "model", "acl", "kafka_topic", "kafka_partition", "kafka_offset", "event_time", "ingest_time",
+    "writer", "writer_seq",
+]  # fmt: skip
+
+
+def _iso(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, datetime) else value
+
+
+def _chunk_version(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "chunk_id": row["chunk_id"],
+        "doc_id": row["doc_id"],
+        "op": row["op"],
+        "chunk_index": row["chunk_index"],
+        "title": row["title"],
+        "text": row["text"],
+        "content_hash": row["content_hash"],
+        "acl": row["acl"] or [],
+        "source": {
+            "table": row["source_table"],
+            "pk": row["source_pk"],
+            "position": row["position"],
+            "event_time": _iso(row["event_time"]),
+            "kafka": {"topic": row["kafka_topic"], "partition": row["kafka_partition"], "offset": row["kafka_offset"]},
+        },
+        "ingest_time": _iso(row["ingest_time"]),
+        "embedding_model": row["model"],
+        "writer": {"id": row["writer"], "seq": row["writer_seq"]},
+    }
+
+
+class Lineage:
+    def __init__(self, lake: Lake, audit: AuditLog | None = None) -> None:
+        self.lake = lake
+        self.audit = audit
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _chunks(self, filters: list[tuple[str, str, Any]]) -> pa.Table:
+        table = self.lake.table(CHUNKS).to_pyarrow_table(columns=CHUNK_COLUMNS, filters=filters)
+        order = pc.sort_indices(table, [("position", "ascending"), ("ingest_time", "ascending")])
+        return table.take(order)
+
+    def _answers(self, filters: list[tuple[str, str, Any]] | None = None) -> pa.Table:
+        try:
+            return self.lake.table(ANSWERS).to_pyarrow_table(filters=filters)
+        except LakeError:
+            return pa.table({})
+
+    @staticmethod
+    def _visible(table: pa.Table, who: Principal) -> np.ndarray:
+        if AUDITOR in who.groups:
+            return np.ones(table.num_rows, dtype=bool)
+        return acl_mask(table.column("acl"), who.groups)
+
+    # -- answer → sources ----------------------------------------------------------------------
+
+    def answer(self, answer_id: str, who: Principal) -> dict[str, Any]:
+        if self.audit is not None and self.audit.pending(answer_id):
+            self.audit.flush()
+        found = self._answers([("answer_id", "=", answer_id)])
+        if found.num_rows == 0 or (AUDITOR not in who.groups and found.column("principal")[0].as_py() != who.name):
+            raise SearchError(f"no answer {answer_id!r} visible to you.", status=404)
+        row = found.slice(0, 1).to_pylist()[0]
+        sources = row["sources"] or []
+        versions = self._chunks([("chunk_id", "in", sorted({s["chunk_id"] for s in sources}))]) if sources else None
+        resolved: dict[int, dict[str, Any]] = {}
+        for s in sources:
+            resolved[s["n"]] = self._resolve(s, versions, who)
+        cited = {c["n"]: c for c in row["citations"] or []}
+        return {
+            "answer_id": row["answer_id"],
+            "time": _iso(row["time"]),
+            "principal": row["principal"],
+            "groups": row["groups"],
+            "question": row["question"],
+            "status": row["status"],
+            "answer": row["answer"],
+            "raw_answer": row["raw_answer"],
+            "error": row["error"],
+            "lake_version": row["lake_version"],
+            "index_version": row["index_version"],
+            "as_of": row["as_of"],
+            "models": {
+                "embedder": row["embedder"],
+                "generator": row["generator"],
+                "generator_url": row["generator_url"],
+            },
+            "prompt_hash": row["prompt_hash"],
+            "timings_ms": {
+                "retrieve": row["retrieve_ms"],
+                "first_token": row["first_token_ms"],
+                "total": row["total_ms"],
+            },
+            "citations": [{**resolved[n], "support": c["support"]} for n, c in cited.items() if n in resolved],
+            "sources": [resolved[s["n"]] for s in sources],
+            "sentences": json.loads(row["sentences"]) if row["sentences"] else [],
+        }
+
+    def _resolve(self, used: dict[str, Any], versions: pa.Table | None, who: Principal) -> dict[str, Any]:
+        """One source of an answer → the chunk version it was, and what became of it."""
+        out: dict[str, Any] = {"n": used["n"], "chunk_id": used["chunk_id"], "score": used["score"],
+                               "origin": used["origin"], "lake_version": used["lake_version"]}  # fmt: skip
+        if versions is None:
+            return {**out, "visible": False}
+        same = versions.filter(pc.equal(versions.column("chunk_id"), used["chunk_id"]))
+        exact = same.filter(pc.equal(same.column("position"), used["position"]))
+        if exact.num_rows == 0:
+            return {**out, "visible": False, "missing": True}
+        version = exact.slice(exact.num_rows - 1, 1)
+        if not self._visible(version, who)[0]:
+            return {"n": used["n"], "visible": False}  # not even its id
+        newest = same.slice(same.num_rows - 1, 1).to_pylist()[0]
+        now = "current"
+        if newest["position"] != used["position"]:
+            now = "deleted" if newest["op"] == "delete" else "updated"
+        return {**out, "visible": True, **_chunk_version(version.to_pylist()[0]), "now": now}
+
+    # -- source row → chunk versions → answers -------------------------------------------------
+
+    def source(self, table: str, pk: str, who: Principal) -> dict[str, Any]:
+        rows = self._chunks([("source_table", "=", table), ("source_pk", "=", pk)])
+        visible = self._visible(rows, who)
+        if not visible.any():
+            raise SearchError(f"no source row {table}/{pk} visible to you in the lake.", status=404)
+        shown = rows.filter(pa.array(visible))
+        latest = latest_rows(rows)
+        live = latest.filter(pc.equal(latest.column("op"), "upsert"))
+        live_visible = live.filter(pa.array(self._visible(live, who))) if live.num_rows else live
+        return {
+            "table": table,
+            "pk": pk,
+            "status": "live" if live.num_rows else "deleted",
+            "current_chunks": sorted(live_visible.column("chunk_id").to_pylist()),
+            "chunk_versions": [_chunk_version(r) for r in shown.to_pylist()],
+            "answers": self._answers_using(who, source=(table, pk)),
+        }
+
+    def chunk(self, chunk_id: str, who: Principal) -> dict[str, Any]:
+        rows = self._chunks([("chunk_id", "=", chunk_id)])
+        visible = self._visible(rows, who)
+        if not visible.any():
+            raise SearchError(f"no chunk {chunk_id!r} visible to you in the lake.", status=404)
+        shown = rows.filter(pa.array(visible))
+        newest = rows.slice(rows.num_rows - 1, 1).to_pylist()[0]
+        return {
+            "chunk_id": chunk_id,
+            "status": "deleted" if newest["op"] == "delete" else "live",
+            "versions": [_chunk_version(r) for r in shown.to_pylist()],
+            "answers": self._answers_using(who, chunk_id=chunk_id),
+        }
+
+    def _answers_using(
+        self, who: Principal, source: tuple[str, str] | None = None, chunk_id: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Answers whose prompt held a chunk of ``source`` (or the chunk ``chunk_id``)."""
+        if self.audit is not None:
+            self.audit.flush()
+        answers = self._answers()
+        if answers.num_rows == 0:
+            return []
+        if AUDITOR not in who.groups:
+            answers = answers.filter(pc.equal(answers.column("principal"), who.name))
+            if answers.num_rows == 0:
+                return []
+        col = answers.column("sources").combine_chunks()
+        flat = pc.list_flatten(col)
+        parents = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
+        if source is not None:
+            hit = pc.and_(pc.equal(pc.struct_field(flat, "source_table"), source[0]),
+                          pc.equal(pc.struct_field(flat, "source_pk"), source[1]))  # fmt: skip
+        else:
+            hit = pc.equal(pc.struct_field(flat, "chunk_id"), chunk_id)
+        hit_np = pc.fill_null(hit, False).to_numpy(zero_copy_only=False)
+        chunk_ids = pc.struct_field(flat, "chunk_id").to_pylist()
+        numbers = pc.struct_field(flat, "n").to_pylist()
+        used: dict[int, list[tuple[int, str]]] = {}
+        for i in np.flatnonzero(hit_np):
+            used.setdefault(int(parents[i]), []).append((numbers[i], chunk_ids[i]))
+        out = []
+        for row_index, refs in sorted(used.items()):
+            row = answers.slice(row_index, 1).to_pylist()[0]
+            cited = {c["n"] for c in row["citations"] or []}
+            out.append({
+                "answer_id": row["answer_id"], "time": _iso(row["time"]), "principal": row["principal"],
+                "question": row["question"], "status": row["status"],
+                "chunk_ids": sorted({c for _, c in refs}), "cited": any(n in cited for n, _ in refs),
+                "lake_version": row["lake_version"], "index_version": row["index_version"],
+            })  # fmt: skip
+        out.sort(key=lambda a: a["time"] or "")
+        return out
