@@ -1,0 +1,165 @@
+"""The answerer and the audit log with scripted generator replies (no model needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from deltalake import DeltaTable
+from fastapi.testclient import TestClient
+
+from pipelines.lake import Lake
+from retrieval.answer import NO_ANSWER, Answerer
+from retrieval.api import create_app
+from retrieval.audit import AuditLog
+from retrieval.engine import Principal, QueryEmbedder, SearchResult, lineage
+from serving.embedder import FakeEmbedder
+from serving.generator import Generator, GeneratorError, GeneratorSettings
+
+TEXTS = [
+    "Penguins are flightless seabirds that swim with their wings.",
+    "A glacier is a persistent body of dense ice.",
+    "Espresso is coffee brewed under pressure.",
+]
+
+
+def result_row(i: int, text: str) -> dict[str, Any]:
+    row = {"chunk_id": f"c{i}", "doc_id": f"public.docs/{i}", "title": f"T{i}", "text": text, "chunk_index": 0,
+           "source_table": "public.docs", "source_pk": str(i), "position": f"pg:{i:020d}", "event_time": None,
+           "kafka_topic": "t", "kafka_partition": 0, "kafka_offset": i}  # fmt: skip
+    return lineage(row, 0.9 - i / 10, 7, 3, "index")
+
+
+class StubEngine:
+    """What the answerer needs of the engine: search, the query embedder, its identity."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.embedder = FakeEmbedder(dim=32)
+        self.queries = QueryEmbedder(self.embedder)
+        self.texts = texts
+        self.searches: list[Principal] = []
+
+    def search(self, query: str, k: int, who: Principal, as_of: int | None = None) -> SearchResult:
+        self.searches.append(who)
+        rows = [result_row(i, t) for i, t in enumerate(self.texts[:k])]
+        return SearchResult(rows, 3, 7, 4, 0, {})
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "problems": []}
+
+
+def scripted(reply: str | None, calls: list[dict[str, Any]], status: int = 200) -> Generator:
+    def handle(request: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(request.content) if request.content else {})
+        if reply is None:
+            raise AssertionError("the generator must not be called")
+        if status != 200:
+            return httpx.Response(status, text="model crashed")
+        return httpx.Response(200, json={"model": "m", "choices": [{"message": {"content": reply},
+                                                                     "finish_reason": "stop"}]})  # fmt: skip
+
+    settings = GeneratorSettings("http://gen/v1", model="m", retries=0)
+    return Generator(settings, transport=httpx.MockTransport(handle))
+
+
+@pytest.fixture
+def audit(tmp_path: Path) -> AuditLog:
+    log = AuditLog(Lake.at(str(tmp_path / "lake")), flush_s=0.05)
+    log.start()
+    return log
+
+
+def audit_rows(audit: AuditLog) -> list[dict[str, Any]]:
+    audit.stop()
+    rows: list[dict[str, Any]] = DeltaTable(audit.lake.table_uri("answers")).to_pyarrow_table().to_pylist()
+    return rows
+
+
+def test_citations_are_validated_and_unsupported_sentences_flagged(audit: AuditLog) -> None:
+    calls: list[dict[str, Any]] = []
+    # Sentence 1 repeats source 1 but cites [2] and a source never sent [9]; sentence 2 is made up.
+    reply = f"{TEXTS[0]} [2][9] The moon is made of cheese."
+    answerer = Answerer(StubEngine(TEXTS), scripted(reply, calls), audit)  # type: ignore[arg-type]
+    who = Principal("bob", frozenset({"eng"}))
+    out = answerer.answer(answerer.prepare("How do penguins swim?", 3, who))
+    assert [c["n"] for c in out["citations"]] == [1] and out["citations"][0]["chunk_id"] == "c0"
+    first, second = out["sentences"]
+    assert first["sources"] == [1] and first["invalid_markers"] == [9] and first["unsupported_markers"] == [2]
+    assert second["flagged"] and out["flagged"] == ["The moon is made of cheese."]
+    assert out["answer"] == f"{TEXTS[0][:-1]} [1]. The moon is made of cheese."
+    sent = calls[0]["messages"][1]["content"]
+    assert all(f"[{n}] T{n - 1}\n{t}" in sent for n, t in enumerate(TEXTS, 1))
+    (row,) = audit_rows(audit)
+    assert row["answer_id"] == out["answer_id"] and row["principal"] == "bob" and row["groups"] == ["eng"]
+    assert row["status"] == "answered" and row["raw_answer"] == reply and row["flagged_sentences"] == 1
+    assert [s["chunk_id"] for s in row["sources"]] == ["c0", "c1", "c2"]
+    assert row["citations"] == [{"n": 1, "chunk_id": "c0", "support": pytest.approx(1.0, abs=1e-4)}]
+    assert row["lake_version"] == 7 and row["index_version"] == 3 and row["generator"] == "m"
+    assert row["embedder"] == str(FakeEmbedder(dim=32).identity) and len(row["prompt_hash"]) == 64
+
+
+def test_no_visible_sources_means_no_answer_and_no_generation(audit: AuditLog) -> None:
+    calls: list[dict[str, Any]] = []
+    answerer = Answerer(StubEngine([]), scripted(None, calls), audit)  # type: ignore[arg-type]
+    prepared = answerer.prepare("What is secret?", 5, Principal("eve"))
+    out = answerer.answer(prepared)
+    assert out["no_answer"] and out["answer"] == NO_ANSWER and out["citations"] == [] and out["model"] is None
+    events = list(answerer.stream(answerer.prepare("What is secret?", 5, Principal("eve"))))
+    assert [name for name, _ in events] == ["done"] and events[0][1]["no_answer"]
+    assert calls == []
+    assert [r["status"] for r in audit_rows(audit)] == ["no_answer", "no_answer"]
+
+
+def test_generator_failure_is_a_502_and_still_audited(audit: AuditLog) -> None:
+    calls: list[dict[str, Any]] = []
+    engine = StubEngine(TEXTS)
+    answerer = Answerer(engine, scripted("x", calls, status=500), audit)  # type: ignore[arg-type]
+    client = TestClient(create_app(engine, None, answerer))  # type: ignore[arg-type]
+    r = client.post("/v1/answer", json={"question": "How do penguins swim?"})
+    assert r.status_code == 502 and "generator failed" in r.json()["error"]
+    assert client.get("/healthz").json()["status"] == "degraded"
+    with pytest.raises(GeneratorError):
+        answerer.answer(answerer.prepare("again", 2, Principal("bob")))
+    rows = audit_rows(audit)
+    assert [r["status"] for r in rows] == ["failed", "failed"] and "HTTP 500" in rows[0]["error"]
+
+
+def test_answer_request_validation(audit: AuditLog) -> None:
+    engine = StubEngine(TEXTS)
+    answerer = Answerer(engine, scripted("x", []), audit)  # type: ignore[arg-type]
+    client = TestClient(create_app(engine, None, answerer))  # type: ignore[arg-type]
+    bad = [({}, "question"), ({"question": "q", "k": 99}, "k"), ({"question": "q", "x": 1}, "x"),
+           ({"question": "q" * 2001}, "question"), ({"question": "q", "stream": "maybe"}, "stream")]  # fmt: skip
+    for body, where in bad:
+        r = client.post("/v1/answer", json=body)
+        assert r.status_code == 422 and where in r.json()["error"], (body, r.text)
+    audit.stop()
+
+
+def test_audit_writer_retries_and_never_writes_a_batch_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import retrieval.audit
+
+    real = retrieval.audit.write_deltalake
+    failures = ["refused", "landed"]  # a refused write, then a commit that lands but whose answer is lost
+
+    def flaky(*args: Any, **kwargs: Any) -> None:
+        if failures:
+            kind = failures.pop(0)
+            if kind == "landed":
+                real(*args, **kwargs)
+            raise OSError(f"connection reset ({kind})")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(retrieval.audit, "write_deltalake", flaky)
+    audit = AuditLog(Lake.at(str(tmp_path / "lake")), flush_s=0.05, backoff_s=0.01)
+    audit.start()
+    engine = StubEngine(TEXTS)
+    answerer = Answerer(engine, scripted(TEXTS[1], []), audit)  # type: ignore[arg-type]
+    ids = [answerer.answer(answerer.prepare(f"q{i}", 2, Principal("bob")))["answer_id"] for i in range(5)]
+    assert audit.flush(10)
+    assert audit.healthy and not any(audit.pending(i) for i in ids) and not failures
+    rows = audit_rows(audit)
+    assert sorted(r["answer_id"] for r in rows) == sorted(ids)
