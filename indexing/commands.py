@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pipelines.commands import add_openlineage_arg
 from pipelines.storage import ObjectStoreSettings
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--drift-threshold", type=float, default=0.10, help="retrain above this quantization-error growth")
     p.add_argument("--keep", type=int, help="keep only the newest N versions")
     p.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
+    add_openlineage_arg(p)
     p.set_defaults(func=cmd_index_build)
 
 
@@ -45,6 +47,30 @@ def _short_temp_dir() -> str:
 
 
 def cmd_index_build(args: argparse.Namespace) -> int:
+    from pipelines.openlineage import LineageRun, storage
+    from pipelines.storage import join
+
+    run = LineageRun("index_build", args.openlineage)
+    inputs, outputs = [storage(join(args.lake, "chunks"))], [storage(args.index)]
+    run.start(inputs, outputs)
+    try:
+        summary = _build(args)
+    except BaseException as exc:
+        run.fail(inputs, outputs, exc)
+        raise
+    inputs = [storage(join(args.lake, "chunks"), str(summary["lake_version"]))]
+    run.complete(inputs, [storage(args.index, str(summary["version"]))])
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"published index version {summary['version']}: {summary['count']} vectors, nlist {summary['nlist']}, "
+            f"{summary['shards']} shards, lake version {summary['lake_version']}"
+        )
+    return 0
+
+
+def _build(args: argparse.Namespace) -> dict[str, Any]:
     from indexing.distributed import start_ray
     from indexing.ivf import BuildOptions, build_index
     from indexing.manifest import collect_garbage, latest_version, publish
@@ -84,11 +110,4 @@ def cmd_index_build(args: argparse.Namespace) -> int:
         "shards": len(manifest.shards), "model": manifest.model, "deleted_versions": deleted,
         "stats": manifest.stats,
     }  # fmt: skip
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(
-            f"published index version {version}: {manifest.count} vectors, nlist {manifest.nlist}, "
-            f"{len(manifest.shards)} shards, lake version {snap.version}"
-        )
-    return 0
+    return summary

@@ -53,7 +53,17 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--batch-max-events", type=int, help="most changes per embedding micro-batch (256)")
     p.add_argument("--batch-timeout-ms", type=int, help="longest wait to fill a micro-batch (200)")
     p.add_argument("--chunk-max-tokens", type=int, help="chunk size budget in tokens (200)")
+    add_openlineage_arg(p)
     p.set_defaults(func=cmd_ingest)
+
+
+def add_openlineage_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--openlineage",
+        metavar="TARGET",
+        help="where OpenLineage run events go: off, file:PATH or http(s)://marquez:5000 "
+        "(default $STREAMRAG_OPENLINEAGE, else file:~/.local/state/streamrag/openlineage.jsonl)",
+    )
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
@@ -94,11 +104,14 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
+    from pipelines.openlineage import LineageRun, kafka_topic, storage
     from pipelines.runner import run_ingest
     from pipelines.settings import IngestSettings
+    from pipelines.storage import join
 
     store = ObjectStoreSettings.from_env()
-    given = {k: v for k, v in vars(args).items() if k not in ("func", "command", "verbose") and v is not None}
+    cli_only = ("func", "command", "verbose", "openlineage")
+    given = {k: v for k, v in vars(args).items() if k not in cli_only and v is not None}
     try:
         settings = IngestSettings(
             **given,
@@ -112,4 +125,18 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         for err in exc.errors():
             print(f"error: --{'-'.join(str(p) for p in err['loc'])}: {err['msg']}", file=sys.stderr)
         return 2
-    return run_ingest(settings)
+    run = LineageRun(f"ingest.{settings.job_name}", args.openlineage, processing="STREAMING")
+    inputs = [kafka_topic(settings.bootstrap, t) for t in settings.topics]
+    outputs = [storage(join(settings.lake, "chunks")), storage(join(settings.lake, "dead_letters"))]
+    outputs += [kafka_topic(settings.bootstrap, t + settings.dlq_suffix) for t in settings.topics]
+    run.start(inputs, outputs)
+    try:
+        status = run_ingest(settings)
+    except BaseException as exc:
+        run.fail(inputs, outputs, exc)
+        raise
+    if status == 0:
+        run.complete(inputs, outputs)
+    else:
+        run.fail(inputs, outputs, f"the ingest job exited with status {status}")
+    return status

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ import pytest
 from serving.embedder import Embedder, FakeEmbedder
 
 _STATUS: dict[str, int] = {}
+
+# OpenLineage events of the jobs tests run go to a scratch file, not the user's state dir.
+_EVENTS = Path(tempfile.gettempdir()) / "streamrag-test-openlineage.jsonl"
+os.environ.setdefault("STREAMRAG_OPENLINEAGE", f"file:{_EVENTS}")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
