@@ -53,6 +53,7 @@ bench: venv $(PEERS)/.installed
 	$(PY) benchmarks/index.py
 	$(PY) benchmarks/index.py --corpus pydocs
 	$(PY) benchmarks/retrieval.py
+	$(PY) benchmarks/answer.py
 
 demo: venv
 	@echo "make demo arrives with the demo issue; until then follow README 'Try the ingest job'." >&2

@@ -223,8 +223,11 @@ def pydocs_lake(work: Path) -> tuple[Lake, Path, list[str]]:
     return lake, work / "pydocs-index", rng.sample(titles, 400)
 
 
-def serve(lake: str, index: str, work: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+def serve(lake: str, index: str, work: Path, *extra: str, answers: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    """``streamrag serve`` in its own process group; search only unless ``answers``."""
     port = free_port()
+    if not answers:
+        extra = (*extra, "--no-answers")
     log = (work / f"serve-{port}.log").open("wb")
     proc = subprocess.Popen([*CLI, "serve", "--lake", lake, "--index", index, "--port", str(port),
                              "--cache-dir", str(work / f"cache-{port}"), *extra],

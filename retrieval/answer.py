@@ -106,7 +106,7 @@ class Answerer:
         t0 = time.perf_counter()
         result = self.engine.search(question, k, principal, as_of)
         sources = [
-            Source(n, r.get("title") or "", _clip(r["text"], self.options.max_source_chars))
+            Source(n, r.get("title") or "", clip(r["text"], self.options.max_source_chars))
             for n, r in enumerate(result.results, 1)
         ]
         messages = build_messages(question, sources)
@@ -267,7 +267,7 @@ class Answerer:
         })  # fmt: skip
 
 
-def _clip(text: str, limit: int) -> str:
+def clip(text: str, limit: int) -> str:
     text = text.strip()
     if len(text) <= limit:
         return text

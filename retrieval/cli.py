@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if not args.verbose:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per generator call otherwise
     try:
         status = args.func(args)
     except KeyboardInterrupt:

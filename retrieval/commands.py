@@ -49,6 +49,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="longest answer in tokens (256)")
     p.add_argument("--generator-threads", type=int, help="CPU threads of the embedded generator (half the cores)")
     p.add_argument("--no-answers", action="store_true", help="serve search and lineage only (no generator)")
+    p.add_argument(
+        "--no-audit", action="store_true", help="do not record answers in the lake's audit table (benchmarks only)"
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("lineage", help="audit queries: where an answer came from, what a source row fed")
@@ -157,9 +160,13 @@ def _answers(args: argparse.Namespace, engine: Any, stack: Any) -> Any:
     )  # fmt: skip
     generator = Generator(settings)
     stack.callback(generator.close)
-    audit = AuditLog(engine.lake)
-    audit.start()
-    stack.callback(audit.stop)  # drains: no audit record lost on a graceful stop
+    audit = None
+    if args.no_audit:
+        log.warning("the audit log is off (--no-audit): answers will not be traceable")
+    else:
+        audit = AuditLog(engine.lake)
+        audit.start()
+        stack.callback(audit.stop)  # drains: no audit record lost on a graceful stop
     return Answerer(engine, generator, audit, identity)
 
 

@@ -1,0 +1,265 @@
+"""Answer benchmarks: one JSON line per figure, each against a baseline measured in the same run.
+
+    .venv/bin/python benchmarks/answer.py                  # all sections
+    .venv/bin/python benchmarks/answer.py --only overhead --requests 400
+
+The corpus is the Python docs (real embeddings, cached by benchmarks/pydocs.py) served by
+``streamrag serve`` as users run it.
+
+Sections
+- latency: /v1/answer with the embedded generator (SmolLM2-135M on llama.cpp), one client,
+  questions from the Python FAQ: retrieval, time to first token (streamed) and total,
+  p50/p95, next to the generator alone on the same prompts (what grounding adds).
+- citations: for the same answers, the share of attributed sentences whose source really
+  contains the supporting text (lexical check: >= 60% of the sentence's content words
+  occur in the source), against two baselines: the markers the model wrote itself and a
+  random source from the same prompt. Also the share of sentences attributed at all.
+- overhead: the audit log's cost on /v1/answer p50 (target <= 5%): two services, audit
+  on and off, on the same index, both answered by a fixed-reply generator (so the
+  generator's own variance does not drown the difference), requests interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx
+
+from benchmarks.index import emit
+from benchmarks.retrieval import pydocs_lake, serve
+from indexing.distributed import start_ray
+from retrieval.corpus import load_pydocs, section_titles
+
+STOP = set(
+    "the and for are but not you your with this that from have has was were will can its it's into than then "
+    "there their they them what when where which while who why how use used using also such may might must "
+    "should would could does did done been being any all each other more most some only same very just one "
+    "two about above below over under out off our ours".split()
+)
+
+
+def faq_questions(n: int) -> list[str]:
+    """Question headings of the Python FAQ pages (fixed order, first ``n`` after a seeded shuffle)."""
+    found = sorted({t for d in load_pydocs() if d.id.startswith("faq/") for t in section_titles(d.body)
+                    if t.endswith("?")})  # fmt: skip
+    random.Random(5).shuffle(found)
+    return found[:n]
+
+
+def words(text: str) -> set[str]:
+    return {w for w in re.findall(r"[a-z_][a-z0-9_]{2,}", text.lower()) if w not in STOP}
+
+
+def supported(sentence: str, source: str) -> bool | None:
+    """Does ``source`` contain the sentence's content? None: too short to judge."""
+    mine = words(sentence)
+    if len(mine) < 3:
+        return None
+    return len(mine & words(source)) / len(mine) >= 0.6
+
+
+def pct(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {"p50": round(statistics.median(ordered), 1), "p95": round(ordered[int(0.95 * (len(ordered) - 1))], 1),
+            "n": len(ordered)}  # fmt: skip
+
+
+def sse_first_token_ms(url: str, question: str) -> tuple[float, dict[str, Any]]:
+    t0 = time.perf_counter()
+    first = None
+    done: dict[str, Any] = {}
+    with httpx.stream("POST", f"{url}/v1/answer", json={"question": question, "stream": True}, timeout=300) as r:
+        event = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                if event == "token" and first is None:
+                    first = (time.perf_counter() - t0) * 1000
+                elif event == "done":
+                    done = json.loads(line[6:])
+    return first or 0.0, done
+
+
+def bench_latency_and_citations(url: str, generator: str, questions: list[str]) -> None:
+    """Three passes over the questions (so consecutive prompts share only the fixed prefix,
+    as in production): answers, streamed answers, the generator alone on the same prompts."""
+    http = httpx.Client(timeout=300)
+    retrieve, total, bodies, chains = [], [], [], []
+    for q in questions:
+        t0 = time.perf_counter()
+        body = http.post(f"{url}/v1/answer", json={"question": q}).json()
+        total.append((time.perf_counter() - t0) * 1000)
+        retrieve.append(body["timings"]["retrieve_ms"])
+        bodies.append(body)
+        chains.append(http.get(f"{url}/v1/lineage/answers/{body['answer_id']}").json())
+    ttft = [sse_first_token_ms(url, q)[0] for q in questions]
+    raw_ttft, raw_total = [], []
+    for q, chain in zip(questions, chains, strict=True):
+        t1 = time.perf_counter()
+        first_raw = None
+        request = {"messages": chain_prompt(chain, q), "max_tokens": 256, "temperature": 0, "stream": True}
+        with http.stream("POST", f"{generator}/chat/completions", json=request) as g:
+            for line in g.iter_lines():
+                if line.startswith("data: ") and first_raw is None and '"content"' in line:
+                    first_raw = (time.perf_counter() - t1) * 1000
+        raw_total.append((time.perf_counter() - t1) * 1000)
+        raw_ttft.append(first_raw or 0.0)
+    alone = {"first_token_ms": pct(raw_ttft), "total_ms": pct(raw_total)}
+    emit(bench="answer_latency", questions=len(questions), retrieve_ms=pct(retrieve), first_token_ms=pct(ttft),
+         total_ms=pct(total), generator_alone=alone)  # fmt: skip
+
+    judged: dict[str, list[bool | None]] = {"attributed": [], "model_markers": [], "random": []}
+    sentences = attributed = 0
+    rng = random.Random(0)
+    for body, chain in zip(bodies, chains, strict=True):
+        texts = {s["n"]: s.get("text", "") for s in chain["sources"]}
+        for s in body["sentences"]:
+            sentences += 1
+            attributed += bool(s["sources"])
+            for n in s["sources"][:1]:
+                judged["attributed"].append(supported(s["text"], texts[n]))
+            for n in re.findall(r"\[(\d+)\]", raw_sentence(body, s))[:1]:
+                if int(n) in texts:
+                    judged["model_markers"].append(supported(s["text"], texts[int(n)]))
+            if texts:
+                judged["random"].append(supported(s["text"], texts[rng.choice(list(texts))]))
+    verdicts = {k: [v for v in vs if v is not None] for k, vs in judged.items()}
+    emit(bench="citation_precision", questions=len(questions), sentences=sentences,
+         attributed_share=round(attributed / max(1, sentences), 3),
+         **{f"{k}_precision": round(sum(v) / len(v), 3) if v else None for k, v in verdicts.items()},
+         **{f"{k}_judged": len(v) for k, v in verdicts.items()})  # fmt: skip
+
+
+def raw_sentence(body: dict[str, Any], s: dict[str, Any]) -> str:
+    """The model's own text of a sentence (markers included), found in the raw answer."""
+    raw = body.get("raw_answer") or ""
+    head = s["text"][:30]
+    at = raw.find(head)
+    return raw[at : at + len(s["text"]) + 40] if at >= 0 else ""
+
+
+def chain_prompt(chain: dict[str, Any], question: str) -> list[dict[str, str]]:
+    from retrieval.answer import AnswerOptions, clip
+    from serving.prompt import Source, build_messages
+
+    limit = AnswerOptions().max_source_chars
+    sources = [Source(s["n"], s.get("title") or "", clip(s.get("text", ""), limit)) for s in chain["sources"]]
+    return build_messages(question, sources)
+
+
+class FixedReply:
+    """An OpenAI-compatible server that answers every chat completion with one fixed reply."""
+
+    def __init__(self, reply: str) -> None:
+        body = json.dumps({"model": "fixed", "choices": [{"message": {"role": "assistant", "content": reply},
+                                                           "finish_reason": "stop"}]}).encode()  # fmt: skip
+        models = json.dumps({"data": [{"id": "fixed"}]}).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _send(self, payload: bytes) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self) -> None:
+                self._send(models)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                self._send(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def bench_overhead(lake: str, index: str, work: Path, questions: list[str], requests: int) -> None:
+    fixed = FixedReply("The standard library documents this in detail. You can read the relevant section for examples.")
+    on, url_on = serve(lake, index, work, "--generator-url", fixed.url, answers=True)
+    off, url_off = serve(lake, index, work, "--generator-url", fixed.url, "--no-audit", answers=True)
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    try:
+        with httpx.Client(timeout=60) as http:
+            for i in range(requests + 20):
+                q = questions[i % len(questions)] + f" ({i})"  # distinct: no query-cache hits
+                for name, url in (("on", url_on), ("off", url_off)) if i % 2 else (("off", url_off), ("on", url_on)):
+                    t0 = time.perf_counter()
+                    r = http.post(f"{url}/v1/answer", json={"question": q})
+                    assert r.status_code == 200, r.text
+                    if i >= 20:  # warm-up
+                        times[name].append((time.perf_counter() - t0) * 1000)
+        p50_on, p50_off = statistics.median(times["on"]), statistics.median(times["off"])
+        emit(bench="audit_overhead", requests=requests, p50_ms_audit_on=round(p50_on, 2),
+             p50_ms_audit_off=round(p50_off, 2), overhead=round(p50_on / p50_off - 1, 4),
+             p99_ms_audit_on=round(sorted(times["on"])[int(0.99 * (requests - 1))], 2),
+             p99_ms_audit_off=round(sorted(times["off"])[int(0.99 * (requests - 1))], 2),
+             target="overhead <= 0.05")  # fmt: skip
+    finally:
+        for proc in (on, off):
+            os.killpg(proc.pid, 15)
+            proc.wait(60)
+        fixed.server.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["latency", "citations", "overhead"], action="append")
+    parser.add_argument("--questions", type=int, default=30)
+    parser.add_argument("--requests", type=int, default=300, help="requests per service in the overhead section")
+    args = parser.parse_args()
+    sections = set(args.only or ["latency", "citations", "overhead"])
+    work = Path(tempfile.mkdtemp(prefix="srbench-", dir="/tmp"))
+    try:
+        start_ray(work_dir=work / "ray")
+        lake, index, _ = pydocs_lake(work)
+        import ray
+
+        ray.shutdown()
+        questions = faq_questions(args.questions)
+        if sections & {"latency", "citations"}:
+            from serving.local_generator import EmbeddedGenerator
+
+            with EmbeddedGenerator() as gen:
+                proc, url = serve(lake.uri, str(index), work, "--generator-url", gen.base_url, answers=True)
+                try:
+                    http = httpx.Client(timeout=300)
+                    http.post(f"{url}/v1/answer", json={"question": "warm up"})
+                    bench_latency_and_citations(url, gen.base_url, questions)
+                finally:
+                    os.killpg(proc.pid, 15)
+                    proc.wait(60)
+        if "overhead" in sections:
+            bench_overhead(lake.uri, str(index), work, faq_questions(200), args.requests)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
