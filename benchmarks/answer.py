@@ -142,10 +142,34 @@ def bench_latency_and_citations(url: str, generator: str, questions: list[str]) 
             if texts:
                 judged["random"].append(supported(s["text"], texts[rng.choice(list(texts))]))
     verdicts = {k: [v for v in vs if v is not None] for k, vs in judged.items()}
+    threshold_sweep(bodies, chains)
     emit(bench="citation_precision", questions=len(questions), sentences=sentences,
          attributed_share=round(attributed / max(1, sentences), 3),
          **{f"{k}_precision": round(sum(v) / len(v), 3) if v else None for k, v in verdicts.items()},
          **{f"{k}_judged": len(v) for k, v in verdicts.items()})  # fmt: skip
+
+
+def threshold_sweep(bodies: list[dict[str, Any]], chains: list[dict[str, Any]]) -> None:
+    """Coverage and precision of attribution at other similarity thresholds, same answers."""
+    from serving.embedder import SentenceTransformerEmbedder
+
+    embedder = SentenceTransformerEmbedder(device="cpu")
+    best: list[tuple[float, bool | None]] = []
+    for body, chain in zip(bodies, chains, strict=True):
+        sources = [s.get("text", "") for s in chain["sources"]]
+        sentences = [s["text"] for s in body["sentences"]]
+        if not sources or not sentences:
+            continue
+        sims = embedder.embed(sentences) @ embedder.embed(sources).T
+        for i, sentence in enumerate(sentences):
+            j = int(sims[i].argmax())
+            best.append((float(sims[i, j]), supported(sentence, sources[j])))
+    for threshold in (0.3, 0.4, 0.5, 0.6, 0.7):
+        kept = [v for sim, v in best if sim >= threshold]
+        judged = [v for v in kept if v is not None]
+        emit(bench="citation_threshold", threshold=threshold, sentences=len(best),
+             attributed_share=round(len(kept) / max(1, len(best)), 3),
+             precision=round(sum(judged) / len(judged), 3) if judged else None, judged=len(judged))  # fmt: skip
 
 
 def raw_sentence(body: dict[str, Any], s: dict[str, Any]) -> str:

@@ -4,7 +4,8 @@ Requests hand their record to :class:`AuditLog` and return; a writer thread appe
 records in batches (every ``flush_rows`` records or ``flush_s`` seconds). A failed write
 is retried with backoff and its rows kept; each commit carries a Delta app transaction
 (this writer's id and sequence number), so a commit that landed but failed to answer is
-not written twice. ``stop()`` drains the queue: no record is lost on a graceful stop.
+not written twice. Every ``compact_every`` commits the writer compacts the table's small
+files and checkpoints its log. ``stop()`` drains the queue: no record is lost on a graceful stop.
 When the queue is full (the lake unreachable for a long time) a request waits at most
 ``put_timeout_s`` and the record is then counted as dropped and logged in full.
 """
@@ -108,6 +109,7 @@ class AuditLog:
         put_timeout_s: float = 2.0,
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
+        compact_every: int = 500,
     ) -> None:
         self.lake = lake
         self.flush_rows = flush_rows
@@ -115,6 +117,7 @@ class AuditLog:
         self.put_timeout_s = put_timeout_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.compact_every = compact_every
         self.app_id = f"audit-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.last_error: str | None = None
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue(max_queue)
@@ -233,3 +236,13 @@ class AuditLog:
             props = CommitProperties(app_transactions=[Transaction(self.app_id, seq)])
             write_deltalake(table, rows, mode="append", commit_properties=props)
         self._seq = seq
+        if self.compact_every and seq % self.compact_every == 0:
+            self._maintain(table)
+
+    def _maintain(self, table: DeltaTable) -> None:
+        """Compact the small files of many one-second batches; best effort (another replica may be at it)."""
+        try:
+            table.optimize.compact()
+            table.create_checkpoint()
+        except Exception as exc:  # noqa: BLE001 - maintenance never stops auditing
+            log.warning("audit table compaction failed (will retry later): %s", exc)
