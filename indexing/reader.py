@@ -39,6 +39,24 @@ class LoadedShard:
         return int(self.index.ntotal) * int(self.index.code_size) + int(self.ids.nbytes)
 
 
+def stored_vector(shard: LoadedShard, faiss_id: int) -> np.ndarray:
+    """The vector stored for one entry (IVF-Flat codes are the raw float32 vectors).
+
+    Entries of a list carry consecutive faiss ids (the builder sorts by list), so the
+    entry's offset in its list is its id minus the list's first id.
+    """
+    list_no = int(shard.ids.column("list_no")[faiss_id].as_py())
+    invlists: Any = shard.index.invlists
+    n = int(invlists.list_size(list_no))
+    ids = faiss.rev_swig_ptr(invlists.get_ids(list_no), n)
+    codes = faiss.rev_swig_ptr(invlists.get_codes(list_no), n * int(invlists.code_size))
+    offset = faiss_id - int(ids[0])
+    if not 0 <= offset < n or int(ids[offset]) != faiss_id:
+        offset = int(np.flatnonzero(ids == faiss_id)[0])
+    vector: np.ndarray = np.frombuffer(codes, dtype=np.float32).reshape(n, -1)[offset].copy()
+    return vector
+
+
 def load_shard(store: ObjectStore, ref: ShardRef) -> LoadedShard:
     """Fetch and verify one shard and its id map."""
     blob = get_verified(store, ref.index)
@@ -212,6 +230,12 @@ class IndexReader:
                 zip(((s, i) for i in faiss_ids), take_rows(self.shard(s).ids, faiss_ids, columns), strict=True)
             )
         return [{**found[(h.shard, h.faiss_id)], "score": h.score} for h in hits]
+
+    def vectors(self, hits: list[Hit]) -> np.ndarray:
+        """The stored vectors of hits, in order (no model call needed to compare with them)."""
+        if not hits:
+            return np.zeros((0, self.manifest.dim), np.float32)
+        return np.stack([stored_vector(self.shard(h.shard), h.faiss_id) for h in hits])
 
 
 def take_rows(table: pa.Table, indices: list[int], columns: list[str] | None = None) -> list[dict[str, Any]]:

@@ -156,8 +156,10 @@ class Answerer:
             attribution = Attribution([])
             status, shown = "no_answer", NO_ANSWER
         else:
+            # The sources' stored vectors (from the index and the tail) stand in for
+            # re-embedding them: the same model made them from the same chunk text.
             attribution = attribute(text, p.sources, _Embeds(self.engine.queries), self.options.threshold,
-                                    self.options.marker_threshold)  # fmt: skip
+                                    self.options.marker_threshold, p.result.vectors)  # fmt: skip
             status, shown = "answered", _with_citations(attribution) or text.strip()
         total_s = time.perf_counter() - p.started
         citations = []

@@ -177,6 +177,8 @@ class SearchResult:
     nprobe: int
     tail_rows: int
     timings: dict[str, float]
+    #: the stored embedding of each result, in order (answers compare sentences with them)
+    vectors: np.ndarray | None = None
 
 
 def _iso(value: object) -> object:
@@ -424,7 +426,13 @@ class SearchEngine:
             else:
                 row = next(tail_rows)
                 results.append(lineage(row, score, row["lake_version"], reader.manifest.version, origin))
-        return SearchResult(results, reader.manifest.version, tail.version, nprobe, tail.live.num_rows, {})
+        vectors = None
+        if merged:
+            index_vectors = iter(reader.vectors(index_hits))
+            tail_vectors = iter(tail.vectors[tail_refs]) if tail_refs else iter(())
+            vectors = np.stack([next(index_vectors) if origin == "index" else next(tail_vectors)
+                                for _, origin, _ in merged])  # fmt: skip
+        return SearchResult(results, reader.manifest.version, tail.version, nprobe, tail.live.num_rows, {}, vectors)
 
     def _allow(self, tail: TailState, groups: frozenset[str]) -> Callable[[int, LoadedShard], np.ndarray | None]:
         superseded = tail.superseded

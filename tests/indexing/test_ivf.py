@@ -73,6 +73,16 @@ def test_a_vector_finds_itself_with_its_lineage(built) -> None:
     assert row["chunk_id"] == "c0000123" and row["source_pk"] == "123" and row["score"] == pytest.approx(1.0, abs=1e-5)
 
 
+def test_hits_give_back_the_vectors_that_were_indexed(built) -> None:
+    reader, x, _ = built
+    hits = reader.search(x[[5, 900, 2500]], 10, nprobe=8)
+    flat = [h for per_query in hits for h in per_query]
+    rows = reader.rows(flat, ["chunk_id"])
+    expected = x[[int(r["chunk_id"][1:]) for r in rows]]
+    np.testing.assert_array_equal(reader.vectors(flat), expected)
+    assert reader.vectors([]).shape == (0, x.shape[1])
+
+
 def test_a_filter_is_applied_inside_the_scan(built) -> None:
     """Allowed = chunk number divisible by 7: results obey the filter and match exact search over the allowed set."""
     reader, x, _ = built

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from indexing.ivf import BuildOptions, build_index
@@ -109,6 +110,11 @@ def test_updates_and_deletes_after_the_index_are_reflected(setup) -> None:
     assert gone.chunk_id not in ids(engine.search(gone.text, k=20))
     top = engine.search(new.text, k=1).results[0]
     assert top["chunk_id"] == new.chunk_id and top["origin"] == "tail" and top["lake_version"] == 4
+    # Results carry their stored vectors, from the tail and from the index alike.
+    result = engine.search(new.text, k=5)
+    assert {r["origin"] for r in result.results} == {"index", "tail"} and result.vectors is not None
+    texts = [r["text"] for r in result.results]
+    np.testing.assert_allclose(result.vectors, engine.embedder.embed(texts), atol=1e-6)
 
 
 def test_acl_change_in_the_tail_hides_the_index_copy(setup) -> None:
