@@ -7,9 +7,11 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+from indexing.manifest import latest_version
 from pipelines.commands import add_openlineage_arg
 from pipelines.storage import ObjectStoreSettings
 
@@ -34,6 +36,12 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--drift-threshold", type=float, default=0.10, help="retrain above this quantization-error growth")
     p.add_argument("--keep", type=int, help="keep only the newest N versions")
     p.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
+    p.add_argument(
+        "--every",
+        type=float,
+        metavar="SECONDS",
+        help="keep building: a new version every SECONDS when the lake changed (a failed build is logged and retried)",
+    )
     add_openlineage_arg(p)
     p.set_defaults(func=cmd_index_build)
 
@@ -47,6 +55,34 @@ def _short_temp_dir() -> str:
 
 
 def cmd_index_build(args: argparse.Namespace) -> int:
+    if args.every is None:
+        return _build_once(args)
+    if args.every <= 0:
+        raise ValueError("--every must be a positive number of seconds.")
+    from indexing.manifest import load_manifest
+    from indexing.store import open_store
+    from pipelines.lake import CHUNKS, Lake
+
+    settings = ObjectStoreSettings.from_env()
+    built_from: int | None = None
+    while True:
+        try:
+            store = open_store(args.index, settings)
+            newest = latest_version(store)
+            if built_from is None and newest is not None:
+                built_from = load_manifest(store, newest).lake_version
+            lake_version = Lake.at(args.lake, settings).table(CHUNKS).version()
+            if built_from is None or lake_version > built_from:
+                _build_once(args)
+                built_from = lake_version
+            else:
+                log.info("lake unchanged since version %d; next check in %.0f s", lake_version, args.every)
+        except Exception as exc:  # noqa: BLE001 - keep going: the next round may succeed
+            log.error("index build failed (retrying in %.0f s): %s", args.every, exc)
+        time.sleep(args.every)
+
+
+def _build_once(args: argparse.Namespace) -> int:
     from pipelines.openlineage import LineageRun, storage
     from pipelines.storage import join
 

@@ -49,6 +49,13 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--writers", type=int, help="lake writers (fixed when the lake is created; default 2)")
     p.add_argument("--job-name", help="names this job's lake writers (default 'ingest')")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (process i uses port + i)")
+    p.add_argument("--metrics-host", help="Prometheus listen address (127.0.0.1; 0.0.0.0 in containers)")
+    p.add_argument(
+        "--process-id",
+        type=int,
+        help="this machine's process in a multi-machine cluster (with --addresses; e.g. a StatefulSet ordinal)",
+    )
+    p.add_argument("--addresses", help="host:port of every cluster process, ';'-separated, in process-id order")
     p.add_argument("--epoch-interval", type=float, dest="epoch_interval_s", help="seconds between snapshots (2)")
     p.add_argument("--batch-max-events", type=int, help="most changes per embedding micro-batch (256)")
     p.add_argument("--batch-timeout-ms", type=int, help="longest wait to fill a micro-batch (200)")
@@ -105,12 +112,12 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from pipelines.openlineage import LineageRun, kafka_topic, storage
-    from pipelines.runner import run_ingest
+    from pipelines.runner import run_ingest, run_member
     from pipelines.settings import IngestSettings
     from pipelines.storage import join
 
     store = ObjectStoreSettings.from_env()
-    cli_only = ("func", "command", "verbose", "openlineage")
+    cli_only = ("func", "command", "verbose", "openlineage", "process_id", "addresses")
     given = {k: v for k, v in vars(args).items() if k not in cli_only and v is not None}
     try:
         settings = IngestSettings(
@@ -129,9 +136,15 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     inputs = [kafka_topic(settings.bootstrap, t) for t in settings.topics]
     outputs = [storage(join(settings.lake, "chunks")), storage(join(settings.lake, "dead_letters"))]
     outputs += [kafka_topic(settings.bootstrap, t + settings.dlq_suffix) for t in settings.topics]
+    if (args.process_id is None) != (args.addresses is None):
+        print("error: --process-id and --addresses go together", file=sys.stderr)
+        return 2
     run.start(inputs, outputs)
     try:
-        status = run_ingest(settings)
+        if args.process_id is not None:
+            status = run_member(settings, args.process_id, [a.strip() for a in args.addresses.split(";") if a.strip()])
+        else:
+            status = run_ingest(settings)
     except BaseException as exc:
         run.fail(inputs, outputs, exc)
         raise

@@ -82,7 +82,9 @@ def run_process(settings: IngestSettings, proc_id: int | None = None, addresses:
     if settings.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(settings.metrics_port + (proc_id or 0), addr="127.0.0.1")
+        # Processes sharing a machine (--workers) take port + i; one per machine (pods) all use the port.
+        offset = (proc_id or 0) if addresses is None or _all_local(addresses) else 0
+        start_http_server(settings.metrics_port + offset, addr=settings.metrics_host)
     cli_main(
         build_flow(settings),
         workers_per_process=1,
@@ -101,6 +103,34 @@ def run_ingest(settings: IngestSettings) -> int:
         run_process(settings)
         return 0
     return _run_cluster(settings)
+
+
+def _all_local(addresses: list[str]) -> bool:
+    return all(a.startswith(("127.0.0.1:", "localhost:")) for a in addresses)
+
+
+def run_member(settings: IngestSettings, process_id: int, addresses: list[str], wait_s: float = 300.0) -> int:
+    """Run process ``process_id`` of a Bytewax cluster spread over machines (one pod each).
+
+    Process 0 prepares the lake and the recovery directory (shared by all members, e.g. a
+    ReadWriteMany volume); the others wait for it.
+    """
+    if not 0 <= process_id < len(addresses):
+        raise ValueError(f"--process-id must be between 0 and {len(addresses) - 1} (one per --addresses entry).")
+    if settings.workers != 1:
+        raise ValueError("--workers is per machine; with --process-id each member runs one process.")
+    settings = settings.model_copy(update={"workers": len(addresses)})
+    if process_id == 0:
+        settings = prepare(settings)
+        ensure_dead_letter_topics(settings)
+    elif settings.recovery_dir:
+        deadline = time.monotonic() + wait_s
+        while not any(Path(settings.recovery_dir).glob("part-*.sqlite3")):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"process 0 did not initialise {settings.recovery_dir} within {wait_s:.0f} s.")
+            time.sleep(1)
+    run_process(settings.model_copy(update={"workers": 1}), process_id, addresses)
+    return 0
 
 
 def _run_cluster(settings: IngestSettings) -> int:

@@ -36,6 +36,7 @@ class IngestSettings(BaseSettings):
     dlq_suffix: str = ".dlq"
     compact_every: int = Field(500, ge=0)
     metrics_port: int | None = Field(None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
     kafka_config: dict[str, str] = Field(default_factory=dict)
     # Object store (the CLI fills these from the standard AWS_* variables).
     s3_endpoint_url: str | None = None

@@ -10,6 +10,7 @@ import sys
 from indexing.commands import add_commands as add_index_commands
 from pipelines.commands import add_commands as add_pipeline_commands
 from retrieval.commands import add_commands as add_retrieval_commands
+from retrieval.demo import add_command as add_demo_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_pipeline_commands(sub)
     add_index_commands(sub)
     add_retrieval_commands(sub)
+    add_demo_command(sub)
     return parser
 
 

@@ -43,9 +43,15 @@ def add_commands(sub: Any) -> None:
     p.add_argument(
         "--generator-url",
         metavar="URL",
-        help="OpenAI-compatible API for answers, e.g. http://vllm:8000/v1 (default: the embedded SmolLM2 server)",
+        default=os.environ.get("STREAMRAG_GENERATOR_URL") or None,
+        help="OpenAI-compatible API for answers, e.g. http://vllm:8000/v1 "
+        "(default $STREAMRAG_GENERATOR_URL, else the embedded SmolLM2 server)",
     )
-    p.add_argument("--generator-model", help="model name to ask for (default: the first one /v1/models lists)")
+    p.add_argument(
+        "--generator-model",
+        default=os.environ.get("STREAMRAG_GENERATOR_MODEL") or None,
+        help="model name to ask for (default $STREAMRAG_GENERATOR_MODEL, else the first one /v1/models lists)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="longest answer in tokens (256)")
     p.add_argument("--generator-threads", type=int, help="CPU threads of the embedded generator (half the cores)")
     p.add_argument("--no-answers", action="store_true", help="serve search and lineage only (no generator)")

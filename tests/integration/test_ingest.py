@@ -86,3 +86,24 @@ def test_kill_9_mid_stream_then_restart_equals_a_clean_run(broker, real_embedder
     final = start(ingest_args(broker, topic, str(lake_dir), recovery, workers=workers, idle=6), None, log)
     assert final.wait(300) == 0, log.read_text()[-3000:]
     assert_lake_matches(Lake.at(str(lake_dir)), corpus, chunker_for(real_embedder, str(lake_dir)))
+
+
+def test_a_cluster_of_separately_started_members_as_in_a_statefulset(broker, real_embedder, tmp_path: Path) -> None:
+    """`--process-id I --addresses …`: one process per pod; process 0 prepares, all share recovery."""
+    from tests.conftest import free_port
+
+    topic = "cdc.app.public.docs_members"
+    corpus = make_corpus(seed=23, docs=20, updates=8, deletes=3)
+    produce(broker, topic, corpus, tmp_path / "events.jsonl")
+    lake_dir = tmp_path / "lake"
+    addresses = ";".join(f"127.0.0.1:{free_port()}" for _ in range(2))
+    args = [*ingest_args(broker, topic, str(lake_dir), tmp_path / "recovery", idle=5), "--addresses", addresses]
+    members = [start([*args, "--process-id", str(i)], None, tmp_path / f"member-{i}.log") for i in (1, 0)]
+    for proc in members:
+        assert proc.wait(300) == 0, (tmp_path / "member-0.log").read_text()[-3000:]
+    assert sorted(p.name for p in (tmp_path / "recovery").glob("part-*.sqlite3")) == [
+        "part-0.sqlite3", "part-1.sqlite3"
+    ]  # fmt: skip
+    assert_lake_matches(Lake.at(str(lake_dir)), corpus, chunker_for(real_embedder, str(lake_dir)))
+    out = cli(*ingest_args(broker, topic, str(lake_dir), None), "--process-id", "0")
+    assert out.returncode == 2 and "--process-id and --addresses go together" in out.stderr
