@@ -54,7 +54,11 @@ def transport_for(target: str) -> Transport:
     if target == "off":
         return NoopTransport(NoopConfig())
     if target.startswith(("http://", "https://")):
-        return HttpTransport(HttpConfig.from_dict({"type": "http", "url": target.rstrip("/"), "timeout": 5}))
+        # Few quick retries: an unreachable catalog must not hold up the job for long.
+        retry = {"total": 2, "read": 2, "connect": 2, "backoff_factor": 0.2, "status_forcelist": [500, 502, 503, 504],
+                 "allowed_methods": ["HEAD", "POST"]}  # fmt: skip
+        return HttpTransport(HttpConfig.from_dict({"type": "http", "url": target.rstrip("/"), "timeout": 3,
+                                                   "retry": retry}))  # fmt: skip
     path = Path(target.removeprefix("file:")).expanduser()
     if not str(path):
         raise ValueError("--openlineage file: needs a path, e.g. file:/var/log/streamrag/openlineage.jsonl")

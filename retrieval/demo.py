@@ -66,6 +66,7 @@ def add_command(sub: Any) -> None:
     p.add_argument("--keep-running", action="store_true", help="keep the broker, ingest job and API running")
     p.add_argument("--corpus", type=Path, default=PYDOCS, help=argparse.SUPPRESS)
     p.add_argument("--limit", type=int, help=argparse.SUPPRESS)  # tests: the first N documents of the subset
+    p.add_argument("--max-tokens", type=int, default=256, help=argparse.SUPPRESS)  # tests: shorter answers
     p.set_defaults(func=cmd_demo)
 
 
@@ -256,20 +257,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         stack.enter_context(running(demo, args.keep_running))
         heading("2. Ingest: Kafka → Bytewax (decode, chunk, embed) → Delta lake")
         t0 = time.monotonic()
-        demo.start(
-            "ingest",
-            "ingest",
-            "--bootstrap",
-            demo.bootstrap,
-            "--topic",
-            TOPIC,
-            "--lake",
-            demo.lake,
-            "--recovery-dir",
-            str(demo.work / "recovery"),
-            "--workers",
-            "1",
-        )
+        ingest = ["ingest", "--bootstrap", demo.bootstrap, "--topic", TOPIC, "--lake", demo.lake,
+                  "--recovery-dir", str(demo.work / "recovery")]  # fmt: skip
+        demo.start("ingest", *ingest)
         expected = {f"public.docs/{d.id}" for d in docs}
         with tqdm(total=len(docs), desc="  documents in the lake", unit="doc", file=sys.stdout) as bar:
 
@@ -295,22 +285,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"{built['shards']} shard(s), lake version {built['lake_version']} ({demo.timings['index_s']:.0f} s)"
         )
         t0 = time.monotonic()
-        demo.start(
-            "serve",
-            "serve",
-            "--lake",
-            demo.lake,
-            "--index",
-            demo.index,
-            "--port",
-            str(args.port),
-            "--tokens",
-            str(demo.work / "tokens.yaml"),
-            "--cache-dir",
-            str(demo.work / "cache"),
-            "--tail-poll",
-            "0.2",
-        )
+        serve = ["serve", "--lake", demo.lake, "--index", demo.index, "--port", str(args.port),
+                 "--tokens", str(demo.work / "tokens.yaml"), "--cache-dir", str(demo.work / "cache"),
+                 "--tail-poll", "0.2", "--max-tokens", str(args.max_tokens)]  # fmt: skip
+        demo.start("serve", *serve)
         demo.url = f"http://127.0.0.1:{args.port}"
 
         def ready() -> bool:

@@ -22,7 +22,7 @@ def test_sentences_keep_their_markers() -> None:
     ]  # fmt: skip
     assert markers("a [2][3] b [1, 2] c [7; 2]") == [2, 3, 1, 7]
     assert markers("no markers here, [x] or [] either") == []
-    assert strip_markers("Espresso uses hot water [2][3].") == "Espresso uses hot water ."
+    assert strip_markers("Espresso uses hot water [2][3].") == "Espresso uses hot water."
 
 
 def test_correct_wrong_missing_and_invented_markers() -> None:
