@@ -23,7 +23,7 @@ import numpy as np
 from retrieval import metrics
 from retrieval.audit import AuditLog, now
 from retrieval.engine import Principal, QueryEmbedder, SearchEngine, SearchError, SearchResult
-from serving.citations import Attribution, attribute, strip_markers
+from serving.citations import Attribution, attribute, is_code, strip_markers
 from serving.generator import Generator, GeneratorError
 from serving.prompt import Source, build_messages, prompt_hash
 
@@ -173,8 +173,9 @@ class Answerer:
                 "support": support, "sentences": used,
             })  # fmt: skip
         sentences = [
-            {"text": strip_markers(s.text), "sources": s.sources, "scores": {str(n): v for n, v in s.scores.items()},
-             "flagged": s.flagged, "invalid_markers": s.invalid, "unsupported_markers": s.unsupported}
+            {"text": s.text if is_code(s.text) else strip_markers(s.text), "sources": s.sources,
+             "scores": {str(n): v for n, v in s.scores.items()}, "flagged": s.flagged, "invalid_markers": s.invalid,
+             "unsupported_markers": s.unsupported}
             for s in attribution.sentences
         ]  # fmt: skip
         timings = {"retrieve_ms": _ms(p.retrieve_s), "first_token_ms": _ms(p.timings.get("first_token_s")),
@@ -279,16 +280,20 @@ def clip(text: str, limit: int) -> str:
 
 
 def _with_citations(attribution: Attribution) -> str:
-    """The answer as returned: each sentence with the markers that survived validation."""
-    out = []
+    """The answer as returned: each sentence with the markers that survived validation,
+    paragraphs and code blocks kept."""
+    blocks: dict[int, list[str]] = {}
     for s in attribution.sentences:
-        plain = strip_markers(s.text)
-        if s.sources:
-            cite = "".join(f"[{n}]" for n in sorted(s.sources))
-            end = plain[-1] if plain[-1] in ".!?" else ""
-            plain = f"{plain[: len(plain) - len(end)]} {cite}{end}"
-        out.append(plain)
-    return " ".join(out)
+        cite = "".join(f"[{n}]" for n in sorted(s.sources))
+        if is_code(s.text):
+            text = f"{s.text}\n{cite}" if cite else s.text
+        else:
+            text = strip_markers(s.text)
+            if cite:
+                end = text[-1] if text[-1] in ".!?" else ""
+                text = f"{text[: len(text) - len(end)]} {cite}{end}"
+        blocks.setdefault(s.block, []).append(text)
+    return "\n\n".join(" ".join(parts) for _, parts in sorted(blocks.items()))
 
 
 def _ms(seconds: float | None) -> float | None:

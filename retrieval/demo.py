@@ -175,13 +175,13 @@ def lake_docs(lake: str) -> set[str]:
     return set(table.column("doc_id").unique().to_pylist())
 
 
-def wait_for(what: str, check: Any, timeout: float, demo: Demo) -> float:
+def wait_for(what: str, check: Any, timeout: float, demo: Demo, every: float = 0.1) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         demo.check_alive()
         if check():
             return time.monotonic() - t0
-        time.sleep(0.1)
+        time.sleep(every)
     raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
@@ -261,15 +261,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
                   "--recovery-dir", str(demo.work / "recovery")]  # fmt: skip
         demo.start("ingest", *ingest)
         expected = {f"public.docs/{d.id}" for d in docs}
-        with tqdm(total=len(docs), desc="  documents in the lake", unit="doc", file=sys.stdout) as bar:
+        with tqdm(total=len(docs), desc="  documents in the lake", unit="doc", file=sys.stdout, mininterval=1) as bar:
 
             def loaded() -> bool:
                 done = len(lake_docs(demo.lake) & expected)
-                bar.n = done
-                bar.refresh()
+                if done > bar.n:
+                    bar.update(done - bar.n)
                 return done >= len(docs)
 
-            wait_for("the initial load", loaded, 3 * 3600, demo)
+            wait_for("the initial load", loaded, 3 * 3600, demo, every=1.0)
         demo.timings["ingest_s"] = time.monotonic() - t0
         from pipelines.lake import Lake, current_chunks
 

@@ -32,24 +32,72 @@ _MARKER = re.compile(r"\[(\d+(?:\s*[,;]\s*\d+)*)\]")
 _SENTENCE = re.compile(r"(?<=[.!?])(?:\s*\[\d+(?:\s*[,;]\s*\d+)*\])*\s+(?=[A-Z0-9\"'(])")
 
 
+_LIST_ITEM = re.compile(r"^([-*\u2022]|\d+[.)])\s")
+
+
+def _sentences(paragraph: str) -> list[str]:
+    out = []
+    start = 0
+    for match in _SENTENCE.finditer(paragraph):
+        end = match.start() + len(match.group(0).rstrip())
+        piece = paragraph[start:end].strip()
+        if piece:
+            out.append(piece)
+        start = match.end()
+    tail = paragraph[start:].strip()
+    if tail:
+        out.append(tail)
+    return out
+
+
+def split_blocks(text: str) -> list[list[str]]:
+    """Paragraphs (blank-line separated; list items start their own) as lists of sentences.
+
+    Lines wrapped inside a paragraph are joined, so a sentence broken over two lines stays
+    one sentence; a fenced code block (```) is kept whole, verbatim, as one unit.
+    """
+    blocks: list[list[str]] = []
+    paragraph: list[str] = []
+    code: list[str] | None = None
+
+    def end_paragraph() -> None:
+        if paragraph:
+            found = _sentences(" ".join(paragraph))
+            if found:
+                blocks.append(found)
+            paragraph.clear()
+
+    for line in text.split("\n"):
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            if code is None:
+                end_paragraph()
+                code = [line]
+            else:
+                blocks.append(["\n".join([*code, line])])
+                code = None
+            continue
+        if code is not None:
+            code.append(line)
+        elif not stripped:
+            end_paragraph()
+        else:
+            if _LIST_ITEM.match(stripped):
+                end_paragraph()
+            paragraph.append(stripped)
+    if code is not None:
+        blocks.append(["\n".join(code)])
+    end_paragraph()
+    return blocks
+
+
 def split_sentences(text: str) -> list[str]:
     """Sentences of an answer, markers kept with the sentence they follow."""
-    out = []
-    for block in text.split("\n"):
-        block = block.strip()
-        if not block:
-            continue
-        start = 0
-        for match in _SENTENCE.finditer(block):
-            end = match.start() + len(match.group(0).rstrip())
-            piece = block[start:end].strip()
-            if piece:
-                out.append(piece)
-            start = match.end()
-        tail = block[start:].strip()
-        if tail:
-            out.append(tail)
-    return out
+    return [sentence for block in split_blocks(text) for sentence in block]
+
+
+def is_code(unit: str) -> bool:
+    return unit.lstrip().startswith("```")
 
 
 def markers(sentence: str) -> list[int]:
@@ -73,6 +121,7 @@ class SentenceSupport:
     written: list[int]  # markers the model wrote
     invalid: list[int] = field(default_factory=list)  # markers naming no source sent
     unsupported: list[int] = field(default_factory=list)  # markers the sentence does not resemble
+    block: int = 0  # paragraph (or code block) it belongs to
 
     @property
     def flagged(self) -> bool:
@@ -106,7 +155,9 @@ def attribute(
     marker_threshold: float = 0.3,
     source_vectors: np.ndarray | None = None,
 ) -> Attribution:
-    sentences = split_sentences(answer)
+    blocks = split_blocks(answer)
+    sentences = [sentence for block in blocks for sentence in block]
+    block_of = [i for i, block in enumerate(blocks) for _ in block]
     if not sentences:
         return Attribution([])
     numbers = [s.n for s in sources]
@@ -125,5 +176,5 @@ def attribute(
         by_similarity = [n for n in sorted(score, key=lambda n: -score[n]) if score[n] >= threshold]
         support = sorted(set(kept) | set(by_similarity), key=lambda n: -score[n])
         out.append(SentenceSupport(sentence, support, {n: round(score[n], 4) for n in support}, written, invalid,
-                                   unsupported))  # fmt: skip
+                                   unsupported, block_of[i]))  # fmt: skip
     return Attribution(out)

@@ -163,3 +163,14 @@ def test_audit_writer_retries_and_never_writes_a_batch_twice(tmp_path: Path, mon
     assert audit.healthy and not any(audit.pending(i) for i in ids) and not failures
     rows = audit_rows(audit)
     assert sorted(r["answer_id"] for r in rows) == sorted(ids)
+
+
+def test_answer_keeps_paragraphs_and_code_blocks(audit: AuditLog) -> None:
+    reply = f"{TEXTS[1]}\n\n```python\nprint('ice')\n```\n\nMade up closing words here."
+    answerer = Answerer(StubEngine(TEXTS), scripted(reply, []), audit)  # type: ignore[arg-type]
+    out = answerer.answer(answerer.prepare("What is a glacier?", 3, Principal("bob")))
+    first, code, last = out["answer"].split("\n\n")
+    assert first == f"{TEXTS[1][:-1]} [2]." and code.startswith("```python\nprint('ice')\n```")
+    assert last == "Made up closing words here." and out["flagged"][-1] == last
+    assert out["sentences"][1]["text"] == "```python\nprint('ice')\n```"
+    audit.stop()

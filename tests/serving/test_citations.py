@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.citations import attribute, markers, split_sentences, strip_markers
+from serving.citations import attribute, is_code, markers, split_blocks, split_sentences, strip_markers
 from serving.embedder import FakeEmbedder
 from serving.prompt import INSTRUCTIONS, Source, build_messages, prompt_hash
 
@@ -23,6 +23,22 @@ def test_sentences_keep_their_markers() -> None:
     assert markers("a [2][3] b [1, 2] c [7; 2]") == [2, 3, 1, 7]
     assert markers("no markers here, [x] or [] either") == []
     assert strip_markers("Espresso uses hot water [2][3].") == "Espresso uses hot water."
+
+
+def test_paragraphs_wrapped_lines_lists_and_code_blocks() -> None:
+    text = (
+        "You can read a file line by line, which is\nmemory efficient [1]. Like this:\n\n"
+        "```python\nwith open(p) as f:\n    for line in f: [2]\n```\n"
+        "- first item. Second sentence.\n- second item\n\nLast words"
+    )
+    blocks = split_blocks(text)
+    assert blocks == [
+        ["You can read a file line by line, which is memory efficient [1].", "Like this:"],
+        ["```python\nwith open(p) as f:\n    for line in f: [2]\n```"],
+        ["- first item.", "Second sentence."], ["- second item"], ["Last words"],
+    ]  # fmt: skip
+    assert is_code(blocks[1][0]) and not is_code(blocks[0][0])
+    assert split_blocks("```\nunterminated\ncode") == [["```\nunterminated\ncode"]]
 
 
 def test_correct_wrong_missing_and_invented_markers() -> None:
