@@ -10,7 +10,7 @@ candidate. Reported per system: nDCG@10, recall@10 and MRR (first relevant chunk
 
 - ``exact``: flat inner-product search over every chunk vector (faiss IndexFlatIP);
 - ``ivf``: the real index (built by the real builder) searched by the real engine at the
-  default nprobe, the way ``/v1/search`` does;
+  default nprobe, the way ``/v1/search`` does (and ``ivf@256``, ``ivf@512``: more lists);
 - ``bm25``: Okapi BM25 (k1 1.2, b 0.75) over the same chunks, the lexical baseline.
 
 Targets: IVF within 1% of exact (nDCG@10); dense retrieval above BM25.
@@ -40,7 +40,7 @@ from indexing.distributed import start_ray
 from indexing.store import LocalStore
 from retrieval.cache import ShardCache
 from retrieval.corpus import load_pydocs
-from retrieval.engine import ANONYMOUS, SearchEngine
+from retrieval.engine import ANONYMOUS, EngineOptions, SearchEngine
 
 K = 10
 _HEADING = re.compile(r"^([=\-*^~#+\"'`.:_])\1{2,}\s*$")
@@ -157,6 +157,8 @@ def main() -> None:
          relevant_per_question=round(float(np.mean([len(q.relevant) for q in qs])), 2))  # fmt: skip
     query_vectors = corpus.embedder.embed(texts)
     ranked: dict[str, list[list[int]]] = {}
+    probes: dict[str, int] = {}
+    nlist = 0
 
     flat = faiss.IndexFlatIP(corpus.vectors.shape[1])
     flat.add(corpus.vectors)
@@ -167,16 +169,19 @@ def main() -> None:
     try:
         start_ray(work_dir=work / "ray")
         lake, index, _ = pydocs_lake(work)
-        engine = SearchEngine(lake, LocalStore(str(index)), corpus.embedder, ShardCache(work / "cache"))
-        engine.start(background=False)
-        view = engine.current_view()
-        nprobe = 0
-        ranked["ivf"] = []
-        for v in query_vectors:
-            result = engine.search_vector(view, v, K * 10, ANONYMOUS)
-            nprobe = result.nprobe
-            ranked["ivf"].append([int(r["chunk_id"][1:]) for r in result.results])
-        engine.stop()
+        cache = ShardCache(work / "cache")
+        for nprobe in (None, 256, 512):  # None: the service's default
+            engine = SearchEngine(lake, LocalStore(str(index)), corpus.embedder, cache, EngineOptions(nprobe=nprobe))
+            engine.start(background=False)
+            view = engine.current_view()
+            lists = []
+            for v in query_vectors:
+                result = engine.search_vector(view, v, K * 10, ANONYMOUS)
+                lists.append([int(r["chunk_id"][1:]) for r in result.results])
+            nlist = view.reader.manifest.nlist
+            ranked["ivf" if nprobe is None else f"ivf@{nprobe}"] = lists
+            probes["ivf" if nprobe is None else f"ivf@{nprobe}"] = result.nprobe
+            engine.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -191,7 +196,7 @@ def main() -> None:
             "mrr": float(np.mean([mrr(r, q.relevant) for r, q in zip(lists, qs, strict=True)])),
         }
         table[system] = scores
-        extra = {"nprobe": nprobe, "nlist": engine.current_view().reader.manifest.nlist} if system == "ivf" else {}
+        extra = {"nprobe": probes[system], "nlist": nlist} if system in probes else {}
         emit(bench="quality", system=system, questions=len(qs), **{k: round(v, 4) for k, v in scores.items()}, **extra)
     ivf_gap = 1 - table["ivf"]["ndcg@10"] / table["exact"]["ndcg@10"]
     emit(bench="quality_targets", ivf_ndcg_gap_vs_exact=round(ivf_gap, 4), ivf_within_1pct=ivf_gap <= 0.01,

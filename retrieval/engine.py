@@ -98,7 +98,7 @@ def default_nprobe(nlist: int) -> int:
     queries): recall@10 vs exact is 0.89 at nprobe 32 and 0.954 at 128 (16%); short queries
     sit far from the documents they match, so a fixed small nprobe is not enough.
     """
-    return max(1, min(nlist, max(32, min(512, -(-nlist * 16 // 100)))))
+    return max(1, min(nlist, max(32, min(128, -(-nlist * 16 // 100)))))
 
 
 def acl_mask(acl: pa.Array | pa.ChunkedArray, groups: frozenset[str]) -> np.ndarray:
