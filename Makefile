@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-unit test-integration lint bench demo clean
+.PHONY: venv test test-reliability test-unit test-integration lint bench demo clean
 
 venv: $(STAMP)
 
@@ -28,13 +28,17 @@ $(STAMP): pyproject.toml
 
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.
 test: venv
-	$(PY) -m pytest -q -ra --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=10 -m "not reliability" $(PYTEST_ARGS)
+
+# Crashes, dependency faults, fuzzing, security and load (also run by .ci/run).
+test-reliability: venv
+	$(PY) -m pytest -q -ra --durations=10 -m reliability $(PYTEST_ARGS)
 
 test-unit: venv
-	$(PY) -m pytest -q -m "not integration" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not integration and not reliability" $(PYTEST_ARGS)
 
 test-integration: venv
-	$(PY) -m pytest -q -m integration $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "integration and not reliability" $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check pipelines indexing retrieval serving tests benchmarks

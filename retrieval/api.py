@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -54,6 +55,28 @@ class AnswerRequest(BaseModel):
 def sse(events: Iterator[tuple[str, dict[str, Any]]]) -> Iterator[str]:
     for name, data in events:
         yield f"event: {name}\ndata: {json.dumps(data)}\n\n"
+
+
+class RateLimiter:
+    """Token buckets per principal: ``rate`` requests/s sustained, ``burst`` at once."""
+
+    def __init__(self, rate: float, burst: float | None = None) -> None:
+        self.rate = rate
+        self.burst = burst or max(1.0, 2 * rate)
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def allow(self, who: str) -> float:
+        """0 if the request may go ahead, else seconds until it could."""
+        now = time.monotonic()
+        with self._lock:
+            tokens, last = self._buckets.get(who, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - last) * self.rate)
+            if tokens >= 1:
+                self._buckets[who] = (tokens - 1, now)
+                return 0.0
+            self._buckets[who] = (tokens, now)
+            return (1 - tokens) / self.rate
 
 
 class ApiError(Exception):
@@ -102,7 +125,11 @@ class BodyLimit:
 
 
 def create_app(
-    engine: SearchEngine, tokens: Tokens | None, answerer: Answerer | None = None, lineage: Lineage | None = None
+    engine: SearchEngine,
+    tokens: Tokens | None,
+    answerer: Answerer | None = None,
+    lineage: Lineage | None = None,
+    rate_limit: float | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="streamrag",
@@ -111,15 +138,25 @@ def create_app(
     )
     app.add_middleware(BodyLimit)
 
+    limiter = RateLimiter(rate_limit) if rate_limit else None
+
     def principal(request: Request) -> Principal:
-        if tokens is None:
-            return ANONYMOUS
-        token = bearer(request.headers.get("authorization"))
-        if token is None:
-            raise ApiError(401, "missing bearer token (Authorization: Bearer <token>)", {"WWW-Authenticate": "Bearer"})
-        found = tokens.principal(token)
-        if found is None:
-            raise ApiError(401, "invalid bearer token", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
+        found = ANONYMOUS
+        if tokens is not None:
+            token = bearer(request.headers.get("authorization"))
+            if token is None:
+                raise ApiError(401, "missing bearer token (Authorization: Bearer <token>)",
+                               {"WWW-Authenticate": "Bearer"})  # fmt: skip
+            known = tokens.principal(token)
+            if known is None:
+                raise ApiError(401, "invalid bearer token", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
+            found = known
+        if limiter is not None:
+            wait = limiter.allow(found.name)
+            if wait:
+                metrics.RATE_LIMITED.inc()
+                raise ApiError(429, f"rate limit of {limiter.rate:g} requests/s exceeded; retry in {wait:.1f} s",
+                               {"Retry-After": str(max(1, round(wait)))})  # fmt: skip
         return found
 
     @app.middleware("http")

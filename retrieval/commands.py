@@ -38,6 +38,13 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--tokens", type=Path, metavar="FILE", help="bearer tokens → principal and groups (YAML/JSON)")
+    p.add_argument(
+        "--rate-limit",
+        type=float,
+        default=0.0,
+        metavar="PER_S",
+        help="requests/s per principal, bursts of twice that, 429 beyond (default 0: off; set it when exposed)",
+    )
     p.add_argument("--tail-poll", type=float, default=0.5, help="seconds between polls of the lake (0.5)")
     p.add_argument("--index-poll", type=float, default=5.0, help="seconds between checks for a new index (5)")
     p.add_argument(
@@ -205,7 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loader = threading.Thread(target=_load_in_background, args=(engine, stop), name="engine-loader", daemon=True)
         loader.start()
         audit = answerer.audit if answerer is not None else None
-        app = create_app(engine, tokens, answerer, Lineage(engine.lake, audit))
+        app = create_app(engine, tokens, answerer, Lineage(engine.lake, audit), args.rate_limit or None)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
         server = uvicorn.Server(config)
 

@@ -313,11 +313,14 @@ class SearchEngine:
         if not self.ready or self._reader is None or self._tail is None:
             return {"status": "starting"}
         problems = []
+        state = self._tail.state
+        lag = time.monotonic() - state.checked_at
         if not self._tail.healthy:
             problems.append(f"lake: {self._tail.last_error}")
+        elif lag > max(5.0, 10 * self.options.tail_poll_s):  # a poll that hangs (store unresponsive)
+            problems.append(f"lake: not read successfully for {lag:.0f} s")
         if self.index_error:
             problems.append(f"index store: {self.index_error}")
-        state = self._tail.state
         return {
             "status": "degraded" if problems else "ok",
             "problems": problems,
@@ -325,7 +328,7 @@ class SearchEngine:
             "index_lake_version": self._reader.manifest.lake_version,
             "lake_version": state.version,
             "tail_rows": state.live.num_rows,
-            "tail_lag_s": round(time.monotonic() - state.checked_at, 3),
+            "tail_lag_s": round(lag, 3),
         }
 
     # -- search ----------------------------------------------------------------------------

@@ -48,3 +48,4 @@ AUDIT_FAILURES = Counter("streamrag_audit_write_failures_total", "Failed writes 
 AUDIT_DROPPED = Counter(
     "streamrag_audit_dropped_total", "Answer records dropped because the audit queue was full (logged in full)"
 )
+RATE_LIMITED = Counter("streamrag_http_rate_limited_total", "Requests refused with 429 (per-principal rate limit)")
