@@ -102,3 +102,66 @@ def test_api_keeps_answering_while_s3_is_frozen_and_recovers(broker: str, privat
         os.kill(moto.pid, signal.SIGCONT)
         kill_group(proc)
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
+def fake_chunker(lake: str):  # type: ignore[no-untyped-def]
+    from pipelines.flow import Runtime
+    from pipelines.settings import IngestSettings
+    from serving.embedder import load_embedder
+
+    return Runtime(IngestSettings(topics=["x"], lake=lake, model="fake"), load_embedder("fake")).chunker
+
+
+def test_ingest_survives_a_frozen_broker_and_a_frozen_object_store(private_s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from pipelines.broker import start_broker
+    from pipelines.lake import Lake
+    from pipelines.storage import ObjectStoreSettings
+    from tests.integration.helpers import delta_commits
+    from tests.oracle import assert_lake_matches
+
+    s3, moto = private_s3
+    port = free_port()
+    broker_proc = start_broker(port)
+    bootstrap = f"127.0.0.1:{port}"
+    try:
+        corpus = make_corpus(seed=41, docs=1500, paragraphs=2, updates=600, deletes=100)
+        produce(bootstrap, TOPIC, corpus, tmp_path / "c.jsonl")
+        local = tmp_path / "lake"
+        args = [*ingest_args(bootstrap, TOPIC, str(local), tmp_path / "recovery", idle=20), "--model", "fake",
+                "--batch-max-events", "16"]  # fmt: skip
+        job = start(args, None, tmp_path / "ingest.log")
+        deadline = time.monotonic() + 120
+        while delta_commits(local) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(broker_proc.pid, signal.SIGSTOP)  # the broker stops answering mid-stream
+        time.sleep(10)
+        os.kill(broker_proc.pid, signal.SIGCONT)
+        assert job.wait(300) == 0, (tmp_path / "ingest.log").read_text()[-3000:]
+        assert_lake_matches(Lake.at(str(local)), corpus, fake_chunker(str(local)))
+
+        # Same stream into a lake on S3, with the S3 server frozen for 10 s mid-stream.
+        lake = f"{s3.create_bucket('lake-frozen')}/lake"
+        args = [*ingest_args(bootstrap, TOPIC, lake, tmp_path / "recovery-s3", idle=20), "--model", "fake",
+                "--batch-max-events", "16"]  # fmt: skip
+        job = start(args, s3.env, tmp_path / "ingest-s3.log")
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id="test",
+                              aws_secret_access_key="test", region_name="us-east-1")  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # freeze once a few commits have landed
+            listed = client.list_objects_v2(Bucket="lake-frozen", Prefix="lake/chunks/_delta_log/")
+            if sum(k["Key"].endswith(".json") for k in listed.get("Contents", [])) >= 3:
+                break
+            time.sleep(0.1)
+        os.kill(moto.pid, signal.SIGSTOP)
+        time.sleep(10)
+        os.kill(moto.pid, signal.SIGCONT)
+        assert job.wait(300) == 0, (tmp_path / "ingest-s3.log").read_text()[-3000:]
+        settings = ObjectStoreSettings(s3.endpoint, "test", "test", None, "us-east-1")
+        assert_lake_matches(Lake.at(lake, settings), corpus, fake_chunker(lake))
+    finally:
+        os.kill(broker_proc.pid, signal.SIGCONT)
+        os.kill(moto.pid, signal.SIGCONT)
+        broker_proc.terminate()
+        broker_proc.wait(10)
