@@ -104,9 +104,14 @@ def _parse_json(raw: bytes, what: str) -> Any:
     except UnicodeDecodeError as exc:
         raise DecodeError(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start}).") from exc
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constants)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise DecodeError(f"{what} is not valid JSON: {exc}") from exc
+
+
+def _no_constants(name: str) -> Any:
+    """Python's json accepts NaN and Infinity; JSON (and Debezium) has neither."""
+    raise DecodeError(f"{name} is not valid JSON.")
 
 
 def _parse_key(key: bytes | None) -> dict[str, Any] | None:

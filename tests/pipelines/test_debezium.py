@@ -139,3 +139,10 @@ def test_structured_garbage_never_raises(value: dict, key: object) -> None:
     assert isinstance(out, (ChangeEvent, DeadLetter))
     if isinstance(out, DeadLetter):
         assert out.error
+
+
+def test_nan_and_infinity_are_not_json() -> None:
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        raw = b'{"before": null, "after": {"id": %s, "body": "b"}, "source": {"lsn": 1}, "op": "c"}' % constant.encode()
+        letter = decode(None, raw, K, M)
+        assert isinstance(letter, DeadLetter) and "not valid JSON" in letter.error, letter
