@@ -193,7 +193,8 @@ def pick_docs(corpus: Path, full: bool, limit: int | None) -> list[Doc]:
 
 
 def show_answer(answer: dict[str, Any]) -> None:
-    say(f"  answer: {answer['answer']}")
+    text = answer["answer"].replace("\n", "\n          ")  # continuation lines under the first
+    say(f"  answer: {text}")
     if answer["no_answer"]:
         return
     for c in answer["citations"]:
