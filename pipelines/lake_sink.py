@@ -1,7 +1,8 @@
 """Bytewax sink over :class:`LakeWriter`: one partition = one Delta app id.
 
-The partition's recovery state is the writer's commit number, snapshotted with the
-source offsets at each epoch, which is what lets the writer recognise replayed rows.
+The partition's recovery state is the writer's commit number and replay horizon (see
+lake_writer), snapshotted with the source offsets at each epoch, which is what lets the
+writer recognise replayed rows. Older recovery directories hold just the number.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from pipelines.settings import IngestSettings
 log = logging.getLogger(__name__)
 
 
-class _LakePartition(StatefulSinkPartition[pa.Table, int]):
+State = tuple[int, int] | int  # (seq, horizon); a bare seq from older recovery directories
+
+
+class _LakePartition(StatefulSinkPartition[pa.Table, State]):
     def __init__(self, writer: LakeWriter, before_commit: Callable[[pa.Table], None] | None) -> None:
         self._writer = writer
         self._before_commit = before_commit
@@ -42,14 +46,14 @@ class _LakePartition(StatefulSinkPartition[pa.Table, int]):
                 if isinstance(ts, datetime):
                     metrics.LAG.observe(max(0.0, now - ts.replace(tzinfo=ts.tzinfo or UTC).timestamp()))
 
-    def snapshot(self) -> int:
-        return self._writer.seq
+    def snapshot(self) -> State:
+        return self._writer.recovery_state
 
     def close(self) -> None:
         pass
 
 
-class LakeSink(FixedPartitionedSink[pa.Table, int]):
+class LakeSink(FixedPartitionedSink[pa.Table, State]):
     """Items are ``(writer key "000".."NNN", rows)``; partition i commits as app id
     ``<job>:<table>:<i>``."""
 
@@ -69,8 +73,9 @@ class LakeSink(FixedPartitionedSink[pa.Table, int]):
     def part_fn(self, item_key: str) -> int:
         return int(item_key)
 
-    def build_part(self, step_id: str, for_part: str, resume_state: int | None) -> _LakePartition:
+    def build_part(self, step_id: str, for_part: str, resume_state: State | None) -> _LakePartition:
         # Only the first writer compacts, so maintenance never races itself.
         compact = self._compact_every if for_part.endswith(":000") else 0
-        writer = LakeWriter(self._lake, self._table, for_part, resume_state, compact_every=compact)
+        seq, horizon = resume_state if isinstance(resume_state, tuple) else (resume_state, None)
+        writer = LakeWriter(self._lake, self._table, for_part, seq, compact_every=compact, resume_horizon=horizon)
         return _LakePartition(writer, self._before_commit)

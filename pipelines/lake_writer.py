@@ -5,9 +5,15 @@ records the number as a Delta app transaction ``(app_id, seq)`` in the same comm
 the rows; every row also carries ``writer`` and ``writer_seq``. The streaming job's
 recovery snapshot holds the seq the writer had reached at the end of the last completed
 epoch. After a crash the job replays from that epoch, so rows committed after it arrive
-again: on start the writer reads the rows it committed after the snapshot's seq and drops
-replayed rows with the same identity (``lake.IDENTITY``). Nothing is lost (the replay
-re-sends everything after the snapshot) and nothing is written twice.
+again: on start the writer reads the rows it committed after the snapshot's *horizon* and
+drops replayed rows with the same identity (``lake.IDENTITY``). Nothing is lost (the
+replay re-sends everything after the snapshot) and nothing is written twice.
+
+The horizon is the seq from which rows may still be replayed. Normally it is the seq
+itself; but while a replay is still catching up (rows committed by an earlier run not yet
+seen again), a snapshot taken mid-replay must keep the older horizon: its source offsets
+are still before those rows, and a crash then would replay them once more (found by
+killing a 2-process job five times at random moments).
 
 deltalake accepts a commit whose app version was already used, so the writer checks
 ``transaction_version(app_id)`` before each commit: a mismatch means a second writer
@@ -45,6 +51,7 @@ class LakeWriter:
         app_id: str,
         resume_seq: int | None,
         retries: int = 8,
+        resume_horizon: int | None = None,
         backoff_s: float = 0.5,
         compact_every: int = 0,
         sleep: Callable[[float], None] = time.sleep,
@@ -65,10 +72,17 @@ class LakeWriter:
                 f"recovery state says writer {app_id} reached commit {resume} but the table "
                 f"has only {committed}: the recovery directory belongs to another lake."
             )
-        self._skip = self._committed_after(resume) if committed > resume else set()
+        horizon = min(resume, resume_horizon) if resume_horizon is not None else resume
+        self._skip = self._committed_after(horizon) if committed > horizon else set()
+        self._horizon = horizon
         self.seq = committed
         if self._skip:
             log.info("%s: %d rows committed after the snapshot will be skipped on replay", app_id, len(self._skip))
+
+    @property
+    def recovery_state(self) -> tuple[int, int]:
+        """(seq, horizon) for the recovery snapshot: see the module docstring."""
+        return self.seq, (self._horizon if self._skip else self.seq)
 
     def _committed_after(self, seq: int) -> set[Identity]:
         dataset = self._dt.to_pyarrow_dataset()

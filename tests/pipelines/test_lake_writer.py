@@ -129,3 +129,38 @@ def test_many_small_commits_get_checkpoints(lake: Lake) -> None:
     log = Path(lake.table_uri(DEAD_LETTERS)) / "_delta_log"
     assert list(log.glob("*.checkpoint.parquet")), "delta-rs should checkpoint every 100 commits"
     assert lake.table(DEAD_LETTERS).version() == 105 and len(offsets(lake)) == 105
+
+
+def test_a_snapshot_taken_mid_replay_keeps_the_older_horizon(lake: Lake) -> None:
+    """Crash, resume, snapshot before the replay caught up, crash again: still no duplicates."""
+    app = "job:dl:000"
+    first = LakeWriter(lake, DEAD_LETTERS, app, None)
+    first.write(letters(1))
+    snapshot = first.recovery_state
+    assert snapshot == (1, 1)
+    first.write(letters(2))
+    first.write(letters(3))  # crash: the recovery state still says (1, 1)
+
+    second = LakeWriter(lake, DEAD_LETTERS, app, snapshot[0], resume_horizon=snapshot[1])
+    second.write(letters(2))  # the replay re-sends 2: skipped
+    snapshot = second.recovery_state  # a snapshot while 3 has not been replayed yet
+    assert snapshot == (3, 1), "the horizon must stay where rows may still be replayed"
+
+    third = LakeWriter(lake, DEAD_LETTERS, app, snapshot[0], resume_horizon=snapshot[1])
+    third.write(letters(3, 4))  # replay from after 2: 3 again (skipped) and the new 4
+    assert offsets(lake) == [1, 2, 3, 4]
+    # 2 will never be replayed again (the source resumed after it), but the writer cannot
+    # tell: the horizon stays conservative until every row it skips has come back.
+    assert third.recovery_state == (4, 1)
+    fourth = LakeWriter(lake, DEAD_LETTERS, app, 4, resume_horizon=1)
+    fourth.write(letters(2, 3, 4))  # a replay from the very start: all skipped
+    assert offsets(lake) == [1, 2, 3, 4] and fourth.recovery_state == (4, 4)
+
+
+def test_a_bare_seq_from_an_older_recovery_directory_still_resumes(lake: Lake) -> None:
+    first = LakeWriter(lake, DEAD_LETTERS, "job:dl:001", None)
+    first.write(letters(1))
+    first.write(letters(2))
+    again = LakeWriter(lake, DEAD_LETTERS, "job:dl:001", 1)
+    again.write(letters(2, 3))
+    assert offsets(lake) == [1, 2, 3]

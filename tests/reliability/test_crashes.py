@@ -33,11 +33,11 @@ def test_five_random_kill_9s_of_two_workers_leave_the_clean_run_result(broker: s
     produce(broker, topic, corpus, tmp_path / "events.jsonl", partitions=4)
     lake_dir, recovery, log = tmp_path / "lake", tmp_path / "recovery", tmp_path / "ingest.log"
     args = [*ingest_args(broker, topic, str(lake_dir), recovery, workers=2, idle=6), "--model", "fake",
-            "--batch-max-events", "64"]  # fmt: skip
+            "--batch-max-events", "8", "--epoch-interval", "0.5"]  # fmt: skip
     rng = random.Random(5)
     kills, target = 0, 0
     while kills < 5:
-        target = delta_commits(lake_dir) + rng.randint(1, 6)
+        target = delta_commits(lake_dir) + rng.randint(1, 4)
         proc = start(args, None, log)
         deadline = time.monotonic() + 180
         while delta_commits(lake_dir) < target and proc.poll() is None and time.monotonic() < deadline:
