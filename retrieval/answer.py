@@ -104,7 +104,7 @@ class Answerer:
         if not 1 <= k <= self.options.max_k:
             raise SearchError(f"k must be between 1 and {self.options.max_k}.")
         t0 = time.perf_counter()
-        result = self.engine.search(question, k, principal, as_of)
+        result = self.engine.search(question, k, principal, as_of, with_vectors=True)
         sources = [
             Source(n, r.get("title") or "", clip(r["text"], self.options.max_source_chars))
             for n, r in enumerate(result.results, 1)
@@ -178,8 +178,7 @@ class Answerer:
              "unsupported_markers": s.unsupported}
             for s in attribution.sentences
         ]  # fmt: skip
-        timings = {"retrieve_ms": _ms(p.retrieve_s), "first_token_ms": _ms(p.timings.get("first_token_s")),
-                   "total_ms": _ms(total_s)}  # fmt: skip
+        timings = _timings(p, total_s)
         payload: dict[str, Any] = {
             "answer_id": p.answer_id,
             "no_answer": text is None,
@@ -217,8 +216,7 @@ class Answerer:
         metrics.ANSWERS.labels("failed").inc()
         if generator_fault:
             self.last_error = error
-        timings = {"retrieve_ms": _ms(p.retrieve_s), "first_token_ms": _ms(p.timings.get("first_token_s")),
-                   "total_ms": _ms(time.perf_counter() - p.started)}  # fmt: skip
+        timings = _timings(p, time.perf_counter() - p.started)
         self._audit(p, "failed", None, partial or None, [], [], streamed, timings, error)
 
     def _audit(
@@ -294,6 +292,11 @@ def _with_citations(attribution: Attribution) -> str:
                 text = f"{text[: len(text) - len(end)]} {cite}{end}"
         blocks.setdefault(s.block, []).append(text)
     return "\n\n".join(" ".join(parts) for _, parts in sorted(blocks.items()))
+
+
+def _timings(p: Prepared, total_s: float) -> dict[str, float | None]:
+    return {"retrieve_ms": _ms(p.retrieve_s), "first_token_ms": _ms(p.timings.get("first_token_s")),
+            "total_ms": _ms(total_s)}  # fmt: skip
 
 
 def _ms(seconds: float | None) -> float | None:

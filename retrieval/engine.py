@@ -379,8 +379,14 @@ class SearchEngine:
         return View(reader, tail)
 
     def search(
-        self, query: str, k: int = 10, principal: Principal = ANONYMOUS, as_of: int | None = None
+        self,
+        query: str,
+        k: int = 10,
+        principal: Principal = ANONYMOUS,
+        as_of: int | None = None,
+        with_vectors: bool = False,
     ) -> SearchResult:
+        """Top-k visible chunks; ``with_vectors`` also returns their stored embeddings (answers need them)."""
         if not isinstance(query, str) or not query.strip():
             raise SearchError("query must be a non-empty string.")
         if len(query) > self.options.max_query_chars:
@@ -392,14 +398,16 @@ class SearchEngine:
         t1 = time.perf_counter()
         vector = self.queries.embed(query)
         t2 = time.perf_counter()
-        result = self.search_vector(view, vector, k, principal)
+        result = self.search_vector(view, vector, k, principal, with_vectors)
         t3 = time.perf_counter()
         result.timings = {"view_s": t1 - t0, "embed_s": t2 - t1, "search_s": t3 - t2}
         metrics.SEARCH_SECONDS.labels("embed").observe(t2 - t1)
         metrics.SEARCH_SECONDS.labels("search").observe(t3 - t2)
         return result
 
-    def search_vector(self, view: View, vector: np.ndarray, k: int, principal: Principal) -> SearchResult:
+    def search_vector(
+        self, view: View, vector: np.ndarray, k: int, principal: Principal, with_vectors: bool = False
+    ) -> SearchResult:
         reader, tail = view.reader, view.tail
         nlist = reader.manifest.nlist
         allow = self._allow(tail, principal.groups)
@@ -430,7 +438,7 @@ class SearchEngine:
                 row = next(tail_rows)
                 results.append(lineage(row, score, row["lake_version"], reader.manifest.version, origin))
         vectors = None
-        if merged:
+        if with_vectors and merged:
             index_vectors = iter(reader.vectors(index_hits))
             tail_vectors = iter(tail.vectors[tail_refs]) if tail_refs else iter(())
             vectors = np.stack([next(index_vectors) if origin == "index" else next(tail_vectors)

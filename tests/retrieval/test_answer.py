@@ -42,7 +42,9 @@ class StubEngine:
         self.texts = texts
         self.searches: list[Principal] = []
 
-    def search(self, query: str, k: int, who: Principal, as_of: int | None = None) -> SearchResult:
+    def search(
+        self, query: str, k: int, who: Principal, as_of: int | None = None, with_vectors: bool = False
+    ) -> SearchResult:
         self.searches.append(who)
         rows = [result_row(i, t) for i, t in enumerate(self.texts[:k])]
         return SearchResult(rows, 3, 7, 4, 0, {})

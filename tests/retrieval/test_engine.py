@@ -111,7 +111,8 @@ def test_updates_and_deletes_after_the_index_are_reflected(setup) -> None:
     top = engine.search(new.text, k=1).results[0]
     assert top["chunk_id"] == new.chunk_id and top["origin"] == "tail" and top["lake_version"] == 4
     # Results carry their stored vectors, from the tail and from the index alike.
-    result = engine.search(new.text, k=5)
+    assert engine.search(new.text, k=5).vectors is None  # plain searches skip the lookup
+    result = engine.search(new.text, k=5, with_vectors=True)
     assert {r["origin"] for r in result.results} == {"index", "tail"} and result.vectors is not None
     texts = [r["text"] for r in result.results]
     np.testing.assert_allclose(result.vectors, engine.embedder.embed(texts), atol=1e-6)
