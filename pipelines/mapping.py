@@ -50,14 +50,20 @@ class TableMapping:
                 raise MappingError(f"mapping key {key!r} must be a column name or a list of them.")
             return tuple(value)
 
+        def one(key: str, default: str | None) -> str | None:
+            value = raw.get(key, default)
+            if value is not None and not isinstance(value, str):
+                raise MappingError(f"mapping key {key!r} must be one column name or null, got {value!r:.60}.")
+            return value
+
         ids = cols("id", base.id_columns)
         if not ids:
             raise MappingError("mapping key 'id' needs at least one column.")
         return cls(
             id_columns=ids,
-            title_column=raw.get("title", base.title_column),
+            title_column=one("title", base.title_column),
             text_columns=cols("text", base.text_columns),
-            acl_column=raw.get("acl", base.acl_column),
+            acl_column=one("acl", base.acl_column),
             metadata_columns=cols("metadata", base.metadata_columns),
         )
 
@@ -142,6 +148,19 @@ class MappingConfig:
     def from_dict(cls, raw: Mapping[str, Any]) -> MappingConfig:
         if not isinstance(raw, Mapping):
             raise MappingError("a mapping file must hold an object with 'default' and/or 'tables'.")
-        default = TableMapping.from_dict(raw.get("default") or {})
-        tables = {name: TableMapping.from_dict(spec or {}, default) for name, spec in (raw.get("tables") or {}).items()}
+        unknown = set(raw) - {"default", "tables"}
+        if unknown:
+            raise MappingError(f"unknown top-level keys {sorted(unknown)}; a mapping file has default and tables.")
+        default_raw = raw.get("default") or {}
+        if not isinstance(default_raw, Mapping):
+            raise MappingError("'default' must be an object of mapping keys (id, title, text, acl, metadata).")
+        default = TableMapping.from_dict(default_raw)
+        tables_raw = raw.get("tables") or {}
+        if not isinstance(tables_raw, Mapping):
+            raise MappingError("'tables' must be an object of table name → mapping keys.")
+        tables = {}
+        for name, spec in tables_raw.items():
+            if not isinstance(spec or {}, Mapping):
+                raise MappingError(f"table {name!r} must map keys (id, title, text, acl, metadata), got {spec!r:.60}.")
+            tables[str(name)] = TableMapping.from_dict(spec or {}, default)
         return cls(default, tables)
