@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -36,6 +37,13 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--drift-threshold", type=float, default=0.10, help="retrain above this quantization-error growth")
     p.add_argument("--keep", type=int, help="keep only the newest N versions")
     p.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
+    p.add_argument(
+        "--store-patience",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="once a build has started, retry an unreachable index store this long before failing (300)",
+    )
     p.add_argument(
         "--every",
         type=float,
@@ -116,8 +124,10 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
 
     settings = ObjectStoreSettings.from_env()
     lake = Lake.at(args.lake, settings)
+    previous = latest_version(open_store(args.index, settings))  # fails fast, before any work, when unreachable
+    # From here on an outage is most likely passing: every store operation rides it out.
+    settings = dataclasses.replace(settings, patience_s=args.store_patience)
     store = open_store(args.index, settings)
-    previous = latest_version(store)  # fails fast, before any work, when the store is unreachable
     snap = plan(lake, args.lake_version)
     log.info(
         "lake %s version %d: %d live chunks of %s; index store at version %s",

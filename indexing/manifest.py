@@ -133,7 +133,12 @@ def load_manifest(store: ObjectStore, version: int | None = None) -> Manifest:
 
 
 def publish(store: ObjectStore, manifest: Manifest) -> int:
-    """Claim the next version number for a manifest whose files are all written."""
+    """Claim the next version number for a manifest whose files are all written.
+
+    A number found taken is either another builder's (take the next one) or our own put
+    that landed although its answer was lost (a timeout, a dropped connection): then the
+    version is already published, and publishing it again would make a duplicate.
+    """
     number = (latest_version(store) or 0) + 1
     while True:
         manifest.version = number
@@ -141,6 +146,9 @@ def publish(store: ObjectStore, manifest: Manifest) -> int:
             store.put(f"versions/{number:08d}.json", manifest.to_json(), if_absent=True)
             break
         except AlreadyExists:
+            if load_manifest(store, number).build_id == manifest.build_id:
+                log.info("version %d is already this build's manifest (a retried put had landed)", number)
+                break
             number += 1  # another builder published meanwhile: take the next number
     store.put("LATEST", str(number).encode())
     log.info("published index version %d (%d vectors, %d shards)", number, manifest.count, len(manifest.shards))

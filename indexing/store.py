@@ -14,14 +14,20 @@ Errors are translated at the edge into this small hierarchy::
 
 from __future__ import annotations
 
+import logging
 import os
+import random
 import tempfile
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pipelines.storage import ObjectStoreSettings, is_s3, normalize_uri
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StoreError(Exception):
@@ -126,13 +132,21 @@ class LocalStore(ObjectStore):
 
 
 class S3Store(ObjectStore):
-    """An S3 (or S3-compatible) prefix via boto3; put-if-absent uses ``If-None-Match: *``."""
+    """An S3 (or S3-compatible) prefix via boto3; put-if-absent uses ``If-None-Match: *``.
+
+    botocore retries each request a few times (seconds). With ``settings.patience_s`` > 0
+    an operation that still finds the store unreachable is retried with capped exponential
+    backoff until that much time has passed, so a batch job rides out an outage of minutes.
+    Every operation is idempotent, put-if-absent included: a retry of a put that landed
+    comes back as AlreadyExists, which the caller resolves (see ``manifest.publish``).
+    """
 
     def __init__(self, root: str, settings: ObjectStoreSettings) -> None:
         import boto3
         from botocore.config import Config
 
         self.root = root
+        self.patience_s = settings.patience_s
         without_scheme = root.split("://", 1)[1]
         self._bucket, _, prefix = without_scheme.partition("/")
         self._prefix = prefix.strip("/")
@@ -163,37 +177,46 @@ class S3Store(ObjectStore):
             return StoreUnavailable(f"cannot reach S3 for {self.uri(key)}: {exc}")
         return StoreError(f"{self.uri(key)}: {exc}")
 
+    def _patiently(self, what: str, key: str, op: Callable[[], T]) -> T:
+        deadline = time.monotonic() + self.patience_s
+        delay = 0.5
+        while True:
+            try:
+                return op()
+            except Exception as exc:
+                error = self._translate(exc, key)
+                if not isinstance(error, StoreUnavailable) or time.monotonic() + delay > deadline:
+                    raise error from exc
+                log.warning("%s %s failed (%s); retrying in %.1f s", what, self.uri(key), exc, delay)
+                time.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(delay * 2, 10.0)
+
     def get(self, key: str) -> bytes:
-        try:
+        def op() -> bytes:
             body: bytes = self._client.get_object(Bucket=self._bucket, Key=self._key(key))["Body"].read()
             return body
-        except Exception as exc:
-            raise self._translate(exc, key) from exc
+
+        return self._patiently("get", key, op)
 
     def put(self, key: str, data: bytes, if_absent: bool = False) -> None:
         extra = {"IfNoneMatch": "*"} if if_absent else {}
-        try:
-            self._client.put_object(Bucket=self._bucket, Key=self._key(key), Body=data, **extra)
-        except Exception as exc:
-            raise self._translate(exc, key) from exc
+        self._patiently(
+            "put", key, lambda: self._client.put_object(Bucket=self._bucket, Key=self._key(key), Body=data, **extra)
+        )
 
     def list(self, prefix: str = "") -> Iterator[str]:
         strip = len(self._prefix) + 1 if self._prefix else 0
-        try:
+
+        def op() -> list[str]:  # whole listings, so a retry never yields a key twice
             pages = self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=self._bucket, Prefix=self._key(prefix)
             )
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    yield obj["Key"][strip:]
-        except Exception as exc:
-            raise self._translate(exc, prefix) from exc
+            return [obj["Key"][strip:] for page in pages for obj in page.get("Contents", [])]
+
+        yield from self._patiently("list", prefix, op)
 
     def delete(self, key: str) -> None:
-        try:
-            self._client.delete_object(Bucket=self._bucket, Key=self._key(key))
-        except Exception as exc:
-            raise self._translate(exc, key) from exc
+        self._patiently("delete", key, lambda: self._client.delete_object(Bucket=self._bucket, Key=self._key(key)))
 
 
 def open_store(uri: str, settings: ObjectStoreSettings | None = None) -> ObjectStore:

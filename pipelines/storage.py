@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -21,9 +21,12 @@ class StorageError(Exception):
 class ObjectStoreSettings:
     endpoint_url: str | None = None
     access_key_id: str | None = None
-    secret_access_key: str | None = None
-    session_token: str | None = None
+    secret_access_key: str | None = field(default=None, repr=False)  # never in logs or tracebacks
+    session_token: str | None = field(default=None, repr=False)
     region: str | None = None
+    #: how long index-store operations retry an unreachable store before giving up:
+    #: 0 for the API (a request must not hang on S3), minutes for batch jobs.
+    patience_s: float = 0.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ObjectStoreSettings:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from indexing.ivf import BuildOptions, build_index, choose_nlist, plan_shards
 from indexing.manifest import ManifestError, collect_garbage, latest_version, load_manifest, publish, versions
 from indexing.reader import IndexReader
 from indexing.snapshot import plan
-from indexing.store import LocalStore, StoreUnavailable
+from indexing.store import AlreadyExists, LocalStore, StoreUnavailable, open_store
 from pipelines.lake import CHUNKS, LakeError
 from pipelines.lake_writer import LakeWriter
 from pipelines.storage import ObjectStoreSettings
@@ -178,6 +179,54 @@ def test_publish_claims_the_next_number_and_gc_keeps_the_newest(tmp_path: Path, 
     assert IndexReader(store).manifest.build_id == manifests[2].build_id
     with pytest.raises(ManifestError, match="does not exist"):
         load_manifest(store, 1)
+
+
+class LostAnswerStore(LocalStore):
+    """The manifest put lands, but its answer is lost and the retry finds the key taken,
+    which is what an S3 put-if-absent retried after a dropped connection sees."""
+
+    losses = 1
+
+    def put(self, key: str, data: bytes, if_absent: bool = False) -> None:
+        super().put(key, data, if_absent)
+        if if_absent and self.losses:
+            self.losses -= 1
+            raise AlreadyExists(f"{key} already exists (our own put, retried)")
+
+
+def test_a_publish_whose_answer_was_lost_is_not_published_twice(tmp_path: Path, ray_local: None) -> None:
+    lake, _ = synthetic_lake(str(tmp_path / "lake"), n=600, files=2)
+    store = LostAnswerStore(str(tmp_path / "index"))
+    snap = plan(lake)
+    first, second = (build_index(snap, store.root, NONE, BuildOptions(nlist=8, progress=False)) for _ in range(2))
+    assert publish(store, first) == 1
+    store.losses = 1
+    assert publish(store, second) == 2
+    assert versions(store) == [1, 2] and store.get("LATEST") == b"2"
+    assert [load_manifest(store, v).build_id for v in (1, 2)] == [first.build_id, second.build_id]
+    # A number another builder took is still skipped.
+    third = build_index(snap, store.root, NONE, BuildOptions(nlist=8, progress=False))
+    LocalStore(store.root).put("versions/00000003.json", load_manifest(store, 2).to_json())  # "another builder"
+    assert publish(LocalStore(store.root), third) == 4
+
+
+def test_an_unreachable_s3_store_is_retried_for_its_patience_then_refused() -> None:
+    import socket
+    import time
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    settings = ObjectStoreSettings(f"http://127.0.0.1:{port}", "k", "s", None, "us-east-1", patience_s=3.0)
+    store = open_store("s3://bucket/index", settings)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="cannot reach S3"):
+        store.get("LATEST")
+    assert time.monotonic() - t0 >= 1.5  # retried (0.5 s, 1 s, …) rather than failing at the first error
+    impatient = open_store("s3://bucket/index", dataclasses.replace(settings, patience_s=0))
+    with pytest.raises(StoreUnavailable):
+        impatient.get("LATEST")
+    assert "secret" not in repr(settings) and "'s'" not in repr(settings)
 
 
 def test_reuse_centroids_until_the_data_drifts(tmp_path: Path, ray_local: None) -> None:
