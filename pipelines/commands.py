@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pipelines.secrets import kafka_config
 from pipelines.storage import ObjectStoreSettings
 
 log = logging.getLogger(__name__)
@@ -27,11 +28,23 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--bootstrap", required=True, metavar="H:P")
     p.add_argument("--topic", required=True)
     p.add_argument("file", type=Path, metavar="FILE.jsonl")
+    p.add_argument(
+        "--kafka-config",
+        metavar="FILE",
+        help="librdkafka client properties (key=value: security.protocol, sasl.*, ssl.*); "
+        "STREAMRAG_KAFKA_<PROPERTY> variables override them",
+    )
     p.set_defaults(func=cmd_produce)
 
     p = sub.add_parser("ingest", help="run the streaming job: Kafka CDC topics → chunks → lake")
     p.add_argument("--bootstrap", required=True, metavar="H:P")
     p.add_argument("--topic", action="append", required=True, dest="topics", help="repeat for more topics")
+    p.add_argument(
+        "--kafka-config",
+        metavar="FILE",
+        help="librdkafka client properties (key=value: security.protocol, sasl.*, ssl.*); "
+        "STREAMRAG_KAFKA_<PROPERTY> variables override them",
+    )
     p.add_argument("--lake", required=True, metavar="URI", help="path, file:// or s3://bucket/prefix")
     p.add_argument("--recovery-dir", metavar="DIR", help="local directory for resume state")
     p.add_argument("--workers", type=int, default=1, help="processes on this machine (default 1)")
@@ -105,7 +118,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
     if not args.file.is_file():
         raise SystemExit(f"error: no such file {args.file}")
-    n = produce_file(args.bootstrap, args.topic, args.file)
+    n = produce_file(args.bootstrap, args.topic, args.file, kafka_config(args.kafka_config))
     print(f"produced {n} messages to {args.topic}")
     return 0
 
@@ -117,11 +130,12 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from pipelines.storage import join
 
     store = ObjectStoreSettings.from_env()
-    cli_only = ("func", "command", "verbose", "openlineage", "process_id", "addresses")
+    cli_only = ("func", "command", "verbose", "openlineage", "process_id", "addresses", "kafka_config")
     given = {k: v for k, v in vars(args).items() if k not in cli_only and v is not None}
     try:
         settings = IngestSettings(
             **given,
+            kafka_config=kafka_config(args.kafka_config),
             s3_endpoint_url=store.endpoint_url,
             s3_access_key_id=store.access_key_id,
             s3_secret_access_key=store.secret_access_key,

@@ -37,12 +37,12 @@ class IngestSettings(BaseSettings):
     compact_every: int = Field(500, ge=0)
     metrics_port: int | None = Field(None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
-    kafka_config: dict[str, str] = Field(default_factory=dict)
+    kafka_config: dict[str, str] = Field(default_factory=dict, repr=False)  # may hold SASL passwords
     # Object store (the CLI fills these from the standard AWS_* variables).
     s3_endpoint_url: str | None = None
     s3_access_key_id: str | None = None
-    s3_secret_access_key: str | None = None
-    s3_session_token: str | None = None
+    s3_secret_access_key: str | None = Field(None, repr=False)
+    s3_session_token: str | None = Field(None, repr=False)
     s3_region: str | None = None
 
     @field_validator("topics")

@@ -260,7 +260,7 @@ class Answerer:
             "index_version": p.result.index_version,
             "embedder": str(self.engine.embedder.identity),
             "generator": self._identity if status != "no_answer" else None,
-            "generator_url": self.generator.settings.base_url,
+            "generator_url": self.generator.where,
             "prompt_hash": p.prompt_hash if p.sources else None,
             "streamed": streamed,
             **timings,

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pipelines import secrets
 from retrieval import metrics
 from retrieval.answer import Answerer
 from retrieval.auth import Tokens, bearer
@@ -178,7 +179,7 @@ def create_app(
 
     @app.exception_handler(GeneratorError)
     async def generator_error(_: Request, exc: GeneratorError) -> JSONResponse:
-        return error(502, f"the generator failed: {exc}")
+        return error(502, secrets.redact(f"the generator failed: {exc}"))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from pipelines import secrets
 from retrieval.engine import Principal
 
 
@@ -67,6 +68,7 @@ class Tokens:
             if not isinstance(groups, list) or not all(isinstance(g, str) and g for g in groups):
                 raise AuthError(f"{where}: 'groups' must be a list of group names.")
             mapping[token] = Principal(entry["principal"], frozenset(groups))
+        secrets.register(*mapping)  # masked in every log line from now on
         return cls(mapping)
 
     def principal(self, token: str) -> Principal | None:

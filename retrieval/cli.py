@@ -8,6 +8,7 @@ import os
 import sys
 
 from indexing.commands import add_commands as add_index_commands
+from pipelines import secrets
 from pipelines.commands import add_commands as add_pipeline_commands
 from retrieval.commands import add_commands as add_retrieval_commands
 from retrieval.demo import add_command as add_demo_command
@@ -24,13 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    secrets.install(LOG_FORMAT)  # no secret value reaches a log line, -v included
     if not args.verbose:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per generator call otherwise
     try:
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         status = 130
     except Exception as exc:
         logging.getLogger("streamrag").debug("failed", exc_info=True)
-        print(f"error: {exc}", file=sys.stderr)
+        print(secrets.redact(f"error: {exc}"), file=sys.stderr)
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()

@@ -213,7 +213,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loader.start()
         audit = answerer.audit if answerer is not None else None
         app = create_app(engine, tokens, answerer, Lineage(engine.lake, audit), args.rate_limit or None)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        # log_config=None: uvicorn's records go through our (redacting) handlers.
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", access_log=False, log_config=None
+        )
         server = uvicorn.Server(config)
 
         def on_signal(_signum: int, _frame: object) -> None:

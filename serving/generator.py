@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -35,7 +36,7 @@ class GeneratorError(Exception):
 class GeneratorSettings:
     base_url: str  # e.g. http://127.0.0.1:8000/v1
     model: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     max_tokens: int = 256
     temperature: float = 0.0
     timeout_s: float = 120.0
@@ -52,12 +53,35 @@ class Completion:
     usage: dict[str, Any] = field(default_factory=dict)
 
 
+def display_url(url: str) -> str:
+    """``http://user:secret@host/v1`` → ``http://user:***@host/v1``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _without_credentials(url: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 class Generator:
     def __init__(self, settings: GeneratorSettings, transport: httpx.BaseTransport | None = None) -> None:
         self.settings = settings
-        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+        #: the URL as errors, logs and the audit log show it: without a password in it
+        self.where = display_url(settings.base_url)
+        base = settings.base_url.rstrip("/")
+        headers = {}
+        if settings.api_key:
+            headers["Authorization"] = f"Bearer {settings.api_key}"
+            if urlsplit(base).password is not None:  # httpx would send them as Basic auth instead of the key
+                log.warning("generator at %s: using the API key; the credentials in the URL are ignored", self.where)
+                base = _without_credentials(base)
         self._http = httpx.Client(
-            base_url=settings.base_url.rstrip("/"),
+            base_url=base,
             headers=headers,
             timeout=httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s),
             transport=transport,
@@ -73,9 +97,15 @@ class Generator:
             response = self._request("GET", "/models")
             models = [m.get("id") for m in response.json().get("data", []) if isinstance(m, dict)]
             if not models or not models[0]:
-                raise GeneratorError(f"{self.settings.base_url}/models lists no model; pass the model name.")
+                raise GeneratorError(f"{self.where}/models lists no model; pass the model name.")
             self._model = str(models[0])
         return self._model
+
+    def _refused(self, response: httpx.Response) -> GeneratorError:
+        """The server's error, without our API key (some servers echo the credentials they refuse)."""
+        text, key = response.text, self.settings.api_key
+        text = text.replace(key, "***") if key else text
+        return GeneratorError(f"the generator refused the request: HTTP {response.status_code} {text[:300]}")
 
     def _body(self, messages: list[dict[str, str]], stream: bool, max_tokens: int | None) -> dict[str, Any]:
         return {
@@ -95,22 +125,18 @@ class Generator:
                 response = self._http.request(method, path, json=body)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
                 last = exc
-                log.warning("generator at %s unreachable (attempt %d): %s", self.settings.base_url, attempt + 1, exc)
+                log.warning("generator at %s unreachable (attempt %d): %s", self.where, attempt + 1, exc)
                 continue
             except httpx.TimeoutException as exc:
-                raise GeneratorError(f"the generator at {self.settings.base_url} timed out: {exc}") from exc
+                raise GeneratorError(f"the generator at {self.where} timed out: {exc}") from exc
             if response.status_code in RETRY_STATUS:
                 last = GeneratorError(f"HTTP {response.status_code}")
                 continue
             if response.status_code >= 400:
-                raise GeneratorError(
-                    f"the generator refused the request: HTTP {response.status_code} {response.text[:300]}"
-                )
+                raise self._refused(response)
             return response
         attempts = self.settings.retries + 1
-        raise GeneratorError(
-            f"the generator at {self.settings.base_url} is unavailable after {attempts} attempts: {last}"
-        )
+        raise GeneratorError(f"the generator at {self.where} is unavailable after {attempts} attempts: {last}")
 
     def complete(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> Completion:
         data = self._request("POST", "/chat/completions", self._body(messages, False, max_tokens)).json()
@@ -136,9 +162,7 @@ class Generator:
                         continue
                     if response.status_code >= 400:
                         response.read()
-                        raise GeneratorError(
-                            f"the generator refused the request: HTTP {response.status_code} {response.text[:300]}"
-                        )
+                        raise self._refused(response)
                     for line in response.iter_lines():
                         if not line.startswith("data:"):
                             continue
@@ -156,8 +180,8 @@ class Generator:
                     return
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
                 if started or attempt >= self.settings.retries:
-                    raise GeneratorError(f"the generator stream from {self.settings.base_url} broke: {exc}") from exc
+                    raise GeneratorError(f"the generator stream from {self.where} broke: {exc}") from exc
                 log.warning("generator unreachable (attempt %d): %s", attempt + 1, exc)
             except httpx.TimeoutException as exc:
-                raise GeneratorError(f"the generator at {self.settings.base_url} timed out: {exc}") from exc
-        raise GeneratorError(f"the generator at {self.settings.base_url} is unavailable.")
+                raise GeneratorError(f"the generator at {self.where} timed out: {exc}") from exc
+        raise GeneratorError(f"the generator at {self.where} is unavailable.")
