@@ -32,7 +32,7 @@ test: venv
 
 # Crashes, dependency faults, fuzzing, security and load (also run by .ci/run).
 test-reliability: venv
-	$(PY) -m pytest -q -ra --durations=10 -m reliability $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -rP --durations=10 -m reliability $(PYTEST_ARGS)  # -rP: the load figures
 
 test-unit: venv
 	$(PY) -m pytest -q -m "not integration and not reliability" $(PYTEST_ARGS)
