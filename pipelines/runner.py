@@ -21,6 +21,7 @@ from pathlib import Path
 from bytewax._bytewax import cli_main
 from bytewax.recovery import RecoveryConfig, init_db_dir
 
+from pipelines import secrets
 from pipelines.broker import die_with_parent, ensure_topics, free_port
 from pipelines.kafka_io import KafkaIOError
 from pipelines.lake import Lake
@@ -171,9 +172,13 @@ def _run_cluster(settings: IngestSettings) -> int:
 
 
 def _child_main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [proc %(process)d] %(name)s: %(message)s")
+    fmt = "%(asctime)s %(levelname)s [proc %(process)d] %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt)
     proc_id, addresses = int(sys.argv[1]), sys.argv[2].split(";")
     settings = IngestSettings.model_validate(json.loads(os.environ[_SETTINGS_ENV]))
+    secrets.install(fmt)
+    secrets.register(settings.s3_secret_access_key, settings.s3_session_token)
+    secrets.register_config(settings.kafka_config)
     status = 0
     try:
         run_process(settings, proc_id, addresses)

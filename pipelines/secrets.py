@@ -101,8 +101,13 @@ def kafka_config(path: str | Path | None = None, env: Mapping[str, str] | None =
             config[name[len(KAFKA_PREFIX) :].lower().replace("_", ".")] = value
     if "bootstrap.servers" in config:
         raise KafkaConfigError("set the brokers with --bootstrap, not in the Kafka config.")
-    register(*(value for key, value in config.items() if _looks_secret(key)))
+    register_config(config)
     return config
+
+
+def register_config(config: Mapping[str, str]) -> None:
+    """Mask the secret-looking values of a Kafka client config (``sasl.password``, ``ssl.key.password``, …)."""
+    register(*(value for key, value in config.items() if _looks_secret(key)))
 
 
 def _looks_secret(name: str) -> bool:

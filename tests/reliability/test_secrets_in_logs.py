@@ -114,7 +114,7 @@ def test_no_secret_in_logs_responses_audit_or_lineage(broker: str, s3_server, st
     ensure_topics(broker, [topic], partitions=2)
     run("produce", "produce", "--bootstrap", broker, "--topic", topic, "--kafka-config", str(kafka_config), str(corpus))
     run("ingest", "ingest", "--bootstrap", broker, "--topic", topic, "--lake", lake, "--until-idle", "4",
-        "--kafka-config", str(kafka_config))  # fmt: skip
+        "--workers", "2", "--kafka-config", str(kafka_config))  # fmt: skip
     run("index", "index", "build", "--lake", lake, "--index", index, "--nlist", "4")
 
     (tmp_path / "tokens.yaml").write_text(json.dumps({"tokens": {TOKEN: {"principal": "reader", "groups": []}}}))
