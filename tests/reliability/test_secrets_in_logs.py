@@ -87,6 +87,7 @@ def stub() -> Iterator[Stub]:
     s = Stub()
     yield s
     s.server.shutdown()
+    s.server.server_close()
 
 
 def test_no_secret_in_logs_responses_audit_or_lineage(broker: str, s3_server, stub: Stub, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
