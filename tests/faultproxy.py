@@ -51,6 +51,8 @@ class FaultProxy:
 
     # -- control -------------------------------------------------------------
     def up(self) -> None:
+        if self._listener is not None:
+            return
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", self.port))
@@ -105,9 +107,13 @@ class FaultProxy:
                 break
             window = tail + data
             tail = window[-256:]
-            trap = self.trap
-            if trap is not None and not trap.hit.is_set() and trap.pattern in window:
-                self.trap = None
+            with self._lock:  # concurrent uploads: exactly one of them springs the trap
+                trap = self.trap
+                if trap is not None and trap.pattern in window:
+                    self.trap = None
+                else:
+                    trap = None
+            if trap is not None:
                 self._fire(trap, client, server, data)
                 return
             try:
