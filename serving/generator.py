@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -55,17 +55,20 @@ class Completion:
 
 def display_url(url: str) -> str:
     """``http://user:secret@host/v1`` → ``http://user:***@host/v1``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    return _with_credentials(url, lambda user: f"{user}:***@")
 
 
 def _without_credentials(url: str) -> str:
+    return _with_credentials(url, lambda _user: "")
+
+
+def _with_credentials(url: str, shown: Callable[[str], str]) -> str:
+    """The URL with its ``user:password@`` part, if it has a password, replaced by ``shown(user)``."""
     parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    if parts.password is None:
+        return url
+    credentials, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=shown(credentials.partition(":")[0]) + host))
 
 
 class Generator:

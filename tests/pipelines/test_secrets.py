@@ -51,6 +51,7 @@ def test_settings_keep_secrets_out_of_their_repr() -> None:
         assert "the-" not in text and "sk-" not in text, text
     assert display_url("http://u:p4ss@vllm:8000/v1") == "http://u:***@vllm:8000/v1"
     assert display_url("http://vllm:8000/v1") == "http://vllm:8000/v1"
+    assert display_url("http://u:p4ss@[::1]:8000/v1") == "http://u:***@[::1]:8000/v1"  # brackets kept
 
 
 def test_kafka_config_from_a_properties_file_and_variables(tmp_path: Path) -> None:
