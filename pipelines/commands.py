@@ -28,23 +28,13 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--bootstrap", required=True, metavar="H:P")
     p.add_argument("--topic", required=True)
     p.add_argument("file", type=Path, metavar="FILE.jsonl")
-    p.add_argument(
-        "--kafka-config",
-        metavar="FILE",
-        help="librdkafka client properties (key=value: security.protocol, sasl.*, ssl.*); "
-        "STREAMRAG_KAFKA_<PROPERTY> variables override them",
-    )
+    add_kafka_config_arg(p)
     p.set_defaults(func=cmd_produce)
 
     p = sub.add_parser("ingest", help="run the streaming job: Kafka CDC topics → chunks → lake")
     p.add_argument("--bootstrap", required=True, metavar="H:P")
     p.add_argument("--topic", action="append", required=True, dest="topics", help="repeat for more topics")
-    p.add_argument(
-        "--kafka-config",
-        metavar="FILE",
-        help="librdkafka client properties (key=value: security.protocol, sasl.*, ssl.*); "
-        "STREAMRAG_KAFKA_<PROPERTY> variables override them",
-    )
+    add_kafka_config_arg(p)
     p.add_argument("--lake", required=True, metavar="URI", help="path, file:// or s3://bucket/prefix")
     p.add_argument("--recovery-dir", metavar="DIR", help="local directory for resume state")
     p.add_argument("--workers", type=int, default=1, help="processes on this machine (default 1)")
@@ -75,6 +65,15 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--chunk-max-tokens", type=int, help="chunk size budget in tokens (200)")
     add_openlineage_arg(p)
     p.set_defaults(func=cmd_ingest)
+
+
+def add_kafka_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kafka-config",
+        metavar="FILE",
+        help="librdkafka client properties (key=value: security.protocol, sasl.*, ssl.*); "
+        "STREAMRAG_KAFKA_<PROPERTY> variables override them",
+    )
 
 
 def add_openlineage_arg(p: argparse.ArgumentParser) -> None:
