@@ -117,7 +117,10 @@ def bench_throughput(bootstrap: str, work: Path, embedder: SentenceTransformerEm
     produce(
         bootstrap,
         settings.topics[0],
-        [envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": body(rng, 3)}, 100 + pk) for pk in range(docs)],
+        [
+            envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": body(rng, 3), "acl": []}, 100 + pk)
+            for pk in range(docs)
+        ],
     )
     embedder.embed([paragraph(rng) for _ in range(64)])  # warm-up, as for the baseline below
     embedded0 = counter("streamrag_ingest_chunks_total", action="embedded")
@@ -160,7 +163,7 @@ def bench_incremental(
     produce(
         bootstrap,
         settings.topics[0],
-        [envelope(pk, {"id": pk, "title": "T", "body": "\n\n".join(p)}, 100 + pk) for pk, p in rows.items()],
+        [envelope(pk, {"id": pk, "title": "T", "body": "\n\n".join(p), "acl": []}, 100 + pk) for pk, p in rows.items()],
     )
     run_pipeline(settings, embedder)
 
@@ -174,7 +177,10 @@ def bench_incremental(
     produce(
         bootstrap,
         settings.topics[0],
-        [envelope(pk, {"id": pk, "title": "T", "body": text}, 10_000 + i, "u") for i, (pk, text) in enumerate(events)],
+        [
+            envelope(pk, {"id": pk, "title": "T", "body": text, "acl": []}, 10_000 + i, "u")
+            for i, (pk, text) in enumerate(events)
+        ],
     )
     embedded0 = counter("streamrag_ingest_chunks_total", action="embedded")
     seconds = run_pipeline(settings, embedder)
@@ -231,7 +237,7 @@ def bench_stream(bootstrap: str, work: Path, docs: int, rate: float) -> None:
             delay = start + pk / rate - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            key, value = envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": paragraph(rng)}, 100 + pk)
+            key, value = envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": paragraph(rng), "acl": []}, 100 + pk)
             producer.produce(topic, key=key, value=value)
             producer.poll(0)
         producer.flush(60)

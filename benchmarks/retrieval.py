@@ -284,7 +284,7 @@ def bench_http(work: Path, seconds: float) -> None:
 
 
 def envelope(pk: int, body: str | None, lsn: int) -> tuple[bytes, bytes]:
-    row = None if body is None else {"id": pk, "title": f"Note {pk}", "body": body}
+    row = None if body is None else {"id": pk, "title": f"Note {pk}", "body": body, "acl": []}
     value = {
         "before": {"id": pk} if body is None else None, "after": row,
         "source": {"connector": "postgresql", "db": "app", "schema": "public", "table": "docs", "lsn": lsn},

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from indexing.manifest import latest_version
+from indexing.manifest import DEFAULT_GC_GRACE_S, latest_version
 from pipelines.commands import add_openlineage_arg
 from pipelines.storage import ObjectStoreSettings
 
@@ -35,7 +35,15 @@ def add_commands(sub: Any) -> None:
         "--reuse-centroids", action="store_true", help="assign to the last build's centroids unless they drifted"
     )
     p.add_argument("--drift-threshold", type=float, default=0.10, help="retrain above this quantization-error growth")
-    p.add_argument("--keep", type=int, help="keep only the newest N versions")
+    p.add_argument("--keep", type=int, help="keep only the newest N versions (after --gc-grace)")
+    p.add_argument(
+        "--gc-grace",
+        type=float,
+        default=DEFAULT_GC_GRACE_S,
+        metavar="SECONDS",
+        help="with --keep: delete a version only this long after a newer one replaced it, so replicas still "
+        f"serving it and as_of requests on it finish first ({DEFAULT_GC_GRACE_S:.0f})",
+    )
     p.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
     p.add_argument(
         "--store-patience",
@@ -150,7 +158,7 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
 
             ray.shutdown()
     version = publish(store, manifest)
-    deleted = collect_garbage(store, args.keep) if args.keep else []
+    deleted = collect_garbage(store, args.keep, args.gc_grace) if args.keep else []
     summary = {
         "version": version, "lake_version": snap.version, "count": manifest.count, "nlist": manifest.nlist,
         "shards": len(manifest.shards), "model": manifest.model, "deleted_versions": deleted,

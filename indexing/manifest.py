@@ -17,10 +17,12 @@ so a builder killed anywhere leaves readers on the previous complete version.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import re
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from indexing.store import AlreadyExists, NotFound, ObjectStore
@@ -155,18 +157,43 @@ def publish(store: ObjectStore, manifest: Manifest) -> int:
     return number
 
 
-def collect_garbage(store: ObjectStore, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` versions and their build files; return deleted versions."""
+#: how long a version replaced by a newer one is kept before garbage collection may delete it
+DEFAULT_GC_GRACE_S = 900.0
+
+
+def collect_garbage(
+    store: ObjectStore, keep: int, grace_s: float = DEFAULT_GC_GRACE_S, now: datetime | None = None
+) -> list[int]:
+    """Delete all but the newest ``keep`` versions and their build files; return deleted versions.
+
+    A version is deleted only once ``grace_s`` seconds have passed since the version that
+    replaced it (the next newer one) was built: replicas switch to a new version within
+    their index poll (5 s) plus the time to prefetch it, and go on serving the old one
+    meanwhile, and ``as_of`` requests that already chose it finish on it. Deleting it under
+    them would turn their searches into errors. Its manifest goes first, then its files.
+    """
     if keep < 1:
         raise ManifestError("--keep must be at least 1.")
+    if grace_s < 0:
+        raise ManifestError("the garbage-collection grace period must be >= 0 seconds.")
+    now = now or datetime.now(UTC)
     numbers = versions(store)
-    doomed = numbers[:-keep]
-    live_builds = {load_manifest(store, n).build_id for n in numbers[-keep:]}
+    manifests = {n: load_manifest(store, n) for n in numbers}
+    doomed = []
+    for older, newer in itertools.pairwise(numbers[: max(0, len(numbers) - keep + 1)]):
+        replaced_at = datetime.fromisoformat(manifests[newer].created_at)
+        if (now - replaced_at).total_seconds() >= grace_s:
+            doomed.append(older)
+        else:
+            break  # versions are replaced in order: every later one is younger still
+    kept_builds = {m.build_id for n, m in manifests.items() if n not in doomed}
     for number in doomed:
-        manifest = load_manifest(store, number)
         store.delete(f"versions/{number:08d}.json")
-        if manifest.build_id not in live_builds:
-            for key in list(store.list(f"builds/{manifest.build_id}/")):
+        if manifests[number].build_id not in kept_builds:
+            for key in list(store.list(f"builds/{manifests[number].build_id}/")):
                 store.delete(key)
     # Files of builds that never published are left alone: one may be in progress.
+    if len(numbers) - len(doomed) > keep:
+        log.info("keeping %d versions beyond --keep %d for the %.0f s grace period",
+                 len(numbers) - len(doomed) - keep, keep, grace_s)  # fmt: skip
     return doomed

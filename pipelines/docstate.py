@@ -4,9 +4,13 @@ Pure functions over a small state, used by the keyed stateful step of the flow:
 
 - a change at or before the last applied position is stale (late or duplicated) and
   ignored;
-- an upsert is chunked and diffed against the previous version: new chunks and chunks
-  whose document metadata (title, ACL) changed get upsert rows, chunks that disappeared
-  get delete rows, untouched chunks get nothing (so nothing is re-embedded);
+- an upsert is chunked and diffed against the previous version: new chunks, chunks whose
+  document metadata (title, ACL) changed and chunks that moved (their ``chunk_index``
+  changed because text was added or removed above them) get upsert rows; chunks that
+  disappeared get delete rows, carrying the document's *new* ACL (the change happened
+  under it: a caller the new ACL excludes must not learn of it); untouched chunks get
+  nothing. Only new content is embedded: moved and re-permissioned chunks keep their
+  content hash, and the embedder reuses their vectors (see ``pipelines.embedding``);
 - a delete emits delete rows for every live chunk; a Kafka tombstone deletes a document
   only if it is still live (normally its delete event came first).
 """
@@ -117,7 +121,7 @@ def _upsert(
         seen[chunk.content_hash] = occurrence + 1
         cid = chunk_id(event.doc_id, chunk.content_hash, occurrence)
         new_chunks[cid] = (chunk.index, chunk.content_hash)
-        if cid not in old or meta_changed:
+        if cid not in old or meta_changed or old[cid][0] != chunk.index:
             versions.append(
                 _version(
                     event,
@@ -133,5 +137,5 @@ def _upsert(
             )
     for cid, (index, chash) in old.items():
         if cid not in new_chunks:
-            versions.append(_version(event, position, cid, "delete", index, "", chash, state.acl if state else ()))
+            versions.append(_version(event, position, cid, "delete", index, "", chash, event.acl))
     return DocState(position, True, event.title, event.acl, new_chunks), versions

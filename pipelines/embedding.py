@@ -1,8 +1,9 @@
 """Embed the chunk versions of a micro-batch and lay them out as ``chunks`` rows.
 
 Only upserts are embedded, and of those only content not embedded recently by this
-process (same content hash, same model: an LRU cache), so metadata-only changes and
-repeated text cost nothing.
+process (same content hash, same model: an LRU cache), so metadata-only changes (title,
+ACL), chunks that only moved within their document and repeated text cost nothing while
+the cache holds their content.
 """
 
 from __future__ import annotations

@@ -1,12 +1,21 @@
 """Table → document mapping: which columns are the key, the text, the ACL, metadata.
 
 Defaults (ARCHITECTURE.md): primary key ``id``, text from ``title`` and ``body``,
-``acl`` = list of groups or a comma-separated string (empty or missing = public).
-A mapping file (YAML or JSON) overrides them per table::
+``acl`` = list of groups or a comma-separated string. A mapping file (YAML or JSON)
+overrides them per table::
 
     default: {id: [id], title: title, text: [body], acl: acl}
     tables:
       public.tickets: {id: [ticket_id], title: subject, text: [description, resolution]}
+      public.faq: {acl: null}               # no ACL column: every row is public
+      public.wiki: {public: true}           # rows without an ACL value are public
+
+ACLs fail closed. While a table's mapping names an ACL column, every row must carry it:
+a row in which that column is missing or null is refused (a dead letter saying so),
+because a renamed, dropped or excluded column must not silently publish every row. An
+empty list or empty string is an explicit "public". Only a mapping that says
+``acl: null`` (the table has no ACL column) or ``public: true`` (a missing or null ACL
+means public) makes rows public without one.
 """
 
 from __future__ import annotations
@@ -33,11 +42,13 @@ class TableMapping:
     text_columns: tuple[str, ...] = ("body",)
     acl_column: str | None = "acl"
     metadata_columns: tuple[str, ...] = ()
+    #: a row whose ACL column is missing or null is public (else it is refused)
+    public: bool = False
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], base: TableMapping | None = None) -> TableMapping:
         base = base or cls()
-        known = {"id", "title", "text", "acl", "metadata"}
+        known = {"id", "title", "text", "acl", "metadata", "public"}
         unknown = set(raw) - known
         if unknown:
             raise MappingError(f"unknown mapping keys {sorted(unknown)}; allowed: {sorted(known)}.")
@@ -56,6 +67,9 @@ class TableMapping:
                 raise MappingError(f"mapping key {key!r} must be one column name or null, got {value!r:.60}.")
             return value
 
+        public = raw.get("public", base.public)
+        if not isinstance(public, bool):
+            raise MappingError(f"mapping key 'public' must be true or false, got {public!r:.60}.")
         ids = cols("id", base.id_columns)
         if not ids:
             raise MappingError("mapping key 'id' needs at least one column.")
@@ -65,6 +79,7 @@ class TableMapping:
             text_columns=cols("text", base.text_columns),
             acl_column=one("acl", base.acl_column),
             metadata_columns=cols("metadata", base.metadata_columns),
+            public=public,
         )
 
     def primary_key(self, row: Mapping[str, Any]) -> str:
@@ -81,9 +96,23 @@ class TableMapping:
         title = _text_value(row, self.title_column) if self.title_column else ""
         parts = [_text_value(row, col) for col in self.text_columns]
         text = "\n\n".join(p for p in parts if p)
-        acl = parse_acl(row.get(self.acl_column)) if self.acl_column else ()
+        acl = self.acl(row)
         metadata = tuple((col, json.dumps(row.get(col), sort_keys=True, default=str)) for col in self.metadata_columns)
         return title, text, acl, metadata
+
+    def acl(self, row: Mapping[str, Any]) -> tuple[str, ...]:
+        """The row's groups; () = public. Fails closed (see the module docstring)."""
+        if self.acl_column is None:
+            return ()
+        value = row.get(self.acl_column)
+        if value is None and not self.public:
+            state = "missing" if self.acl_column not in row else "null"
+            raise MappingError(
+                f"acl column {self.acl_column!r} is {state}: ACLs fail closed, so this row is not published. "
+                "Send the column in every row (an empty list means public), or declare the table public in "
+                "the mapping (acl: null, or public: true)."
+            )
+        return parse_acl(value)
 
 
 def key_string(values: Mapping[str, Any]) -> str:
@@ -106,7 +135,7 @@ def _text_value(row: Mapping[str, Any], col: str) -> str:
 
 
 def parse_acl(value: Any) -> tuple[str, ...]:
-    """Groups from a list or a comma-separated string; empty or missing = public."""
+    """Groups from a list or a comma-separated string; empty (or None) = public."""
     if value is None:
         return ()
     if isinstance(value, str):
@@ -153,7 +182,7 @@ class MappingConfig:
             raise MappingError(f"unknown top-level keys {sorted(unknown)}; a mapping file has default and tables.")
         default_raw = raw.get("default") or {}
         if not isinstance(default_raw, Mapping):
-            raise MappingError("'default' must be an object of mapping keys (id, title, text, acl, metadata).")
+            raise MappingError("'default' must be an object of mapping keys (id, title, text, acl, metadata, public).")
         default = TableMapping.from_dict(default_raw)
         tables_raw = raw.get("tables") or {}
         if not isinstance(tables_raw, Mapping):
@@ -161,6 +190,7 @@ class MappingConfig:
         tables = {}
         for name, spec in tables_raw.items():
             if not isinstance(spec or {}, Mapping):
-                raise MappingError(f"table {name!r} must map keys (id, title, text, acl, metadata), got {spec!r:.60}.")
+                keys = "(id, title, text, acl, metadata, public)"
+                raise MappingError(f"table {name!r} must map keys {keys}, got {spec!r:.60}.")
             tables[str(name)] = TableMapping.from_dict(spec or {}, default)
         return cls(default, tables)

@@ -121,11 +121,14 @@ class Answerer:
             return self._finish(p, None, streamed=False)
         try:
             completion = self.generator.complete(p.messages)
+            p.timings["first_token_s"] = time.perf_counter() - p.started  # not streamed: the whole text at once
+            return self._finish(p, completion.text, streamed=False)
         except GeneratorError as exc:
             self._failed(p, str(exc), streamed=False)
             raise
-        p.timings["first_token_s"] = time.perf_counter() - p.started  # not streamed: the whole text at once
-        return self._finish(p, completion.text, streamed=False)
+        except Exception as exc:  # a bug of ours, not the generator's: a 500, but audited all the same
+            self._failed(p, f"internal error: {type(exc).__name__}", streamed=False, generator_fault=False)
+            raise
 
     def stream(self, p: Prepared) -> Iterator[tuple[str, dict[str, Any]]]:
         """Events: ("token", {"text"}) as the model writes, then ("done", answer) or ("error", {...})."""
@@ -139,6 +142,7 @@ class Answerer:
                     p.timings["first_token_s"] = time.perf_counter() - p.started
                 parts.append(token)
                 yield "token", {"text": token}
+            done = self._finish(p, "".join(parts), streamed=True)
         except GeneratorError as exc:
             self._failed(p, str(exc), streamed=True, partial="".join(parts))
             yield "error", {"error": str(exc), "answer_id": p.answer_id}
@@ -146,7 +150,13 @@ class Answerer:
         except GeneratorExit:  # the client went away mid-stream: still audited
             self._failed(p, "client disconnected during the stream", True, "".join(parts), generator_fault=False)
             raise
-        yield "done", self._finish(p, "".join(parts), streamed=True)
+        except Exception as exc:
+            log.exception("answer %s failed", p.answer_id)
+            error = f"internal error: {type(exc).__name__}"
+            self._failed(p, error, True, "".join(parts), generator_fault=False)
+            yield "error", {"error": f"{error}; the server log has the details", "answer_id": p.answer_id}
+            return
+        yield "done", done
 
     # -- results -----------------------------------------------------------------------------
 
@@ -287,9 +297,13 @@ def _with_citations(attribution: Attribution) -> str:
             text = f"{s.text}\n{cite}" if cite else s.text
         else:
             text = strip_markers(s.text)
-            if cite:
+            if cite and not text:  # the sentence was nothing but markers: keep the validated ones
+                text = cite
+            elif cite:
                 end = text[-1] if text[-1] in ".!?" else ""
                 text = f"{text[: len(text) - len(end)]} {cite}{end}"
+            elif not text:
+                continue
         blocks.setdefault(s.block, []).append(text)
     return "\n\n".join(" ".join(parts) for _, parts in sorted(blocks.items()))
 

@@ -1,9 +1,22 @@
-"""The HTTP API (FastAPI): ``/v1/search``, ``/v1/answer``, ``/v1/lineage/…``, ``/healthz``, ``/metrics``.
+"""The HTTP API (FastAPI): ``/v1/search``, ``/v1/answer``, ``/v1/lineage/…``, probes, ``/metrics``.
 
 Every error is JSON ``{"error": "..."}`` with a 4xx status saying what was wrong (5xx
-only for the server's own faults, without internals). Endpoints that search are plain
-``def`` functions: FastAPI runs them in its thread pool, so a slow search never blocks
-the event loop that answers probes.
+only for the server's own faults, without internals).
+
+Where work runs, so that no kind of load starves another:
+
+- probes (``/livez``, ``/readyz``, ``/healthz``) and authentication are ``async`` and do no
+  I/O: they answer on the event loop, never queued behind work;
+- searches and lineage are plain ``def`` routes, run in FastAPI's thread pool;
+- answers (and each step of an SSE stream, which blocks until the model's next token) run
+  in a pool of their own (``answer_threads``), so long-lived streams can hold all of it
+  without delaying searches or probes.
+
+Probes, as Kubernetes uses them: ``/livez`` is 200 while the process serves HTTP at all
+(restart only a wedged process); ``/readyz`` is 200 once the index is loaded and the tail
+caught up (503 before: no traffic yet, no restart either); ``/healthz`` is the detail
+page (problems with the lake, the index store, the generator, the audit log), whose
+error texts only authenticated callers see.
 """
 
 from __future__ import annotations
@@ -12,9 +25,10 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
+import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -53,9 +67,29 @@ class AnswerRequest(BaseModel):
     as_of: int | None = Field(default=None, ge=0, description="answer from the lake as of this version")
 
 
-def sse(events: Iterator[tuple[str, dict[str, Any]]]) -> Iterator[str]:
-    for name, data in events:
-        yield f"event: {name}\ndata: {json.dumps(data)}\n\n"
+def sse_frame(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+
+
+async def sse(events: Iterator[tuple[str, dict[str, Any]]], limiter: anyio.CapacityLimiter) -> AsyncIterator[str]:
+    """Server-sent events from a blocking iterator, each step run in ``limiter``'s threads.
+
+    On a client that went away the iterator is closed (in a thread of the same pool), so the
+    answerer records the interrupted answer.
+    """
+    try:
+        while True:
+            item: tuple[str, dict[str, Any]] | None = await anyio.to_thread.run_sync(
+                next, events, None, limiter=limiter
+            )
+            if item is None:
+                return
+            yield sse_frame(*item)
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(close, limiter=limiter)
 
 
 class RateLimiter:
@@ -131,6 +165,7 @@ def create_app(
     answerer: Answerer | None = None,
     lineage: Lineage | None = None,
     rate_limit: float | None = None,
+    answer_threads: int = 64,
 ) -> FastAPI:
     app = FastAPI(
         title="streamrag",
@@ -140,8 +175,16 @@ def create_app(
     app.add_middleware(BodyLimit)
 
     limiter = RateLimiter(rate_limit) if rate_limit else None
+    answer_pool = anyio.CapacityLimiter(answer_threads)
 
-    def principal(request: Request) -> Principal:
+    def caller(request: Request) -> Principal | None:
+        """The principal a request's token names; ANONYMOUS without auth; None if unauthenticated."""
+        if tokens is None:
+            return ANONYMOUS
+        token = bearer(request.headers.get("authorization"))
+        return None if token is None else tokens.principal(token)
+
+    async def principal(request: Request) -> Principal:
         found = ANONYMOUS
         if tokens is not None:
             token = bearer(request.headers.get("authorization"))
@@ -212,17 +255,25 @@ def create_app(
         }
 
     @app.post("/v1/answer", response_model=None)
-    def answer(body: AnswerRequest, who: Principal = Depends(principal)) -> dict[str, Any] | StreamingResponse:  # noqa: B008
+    async def answer(body: AnswerRequest, who: Principal = Depends(principal)) -> Response:  # noqa: B008
         if answerer is None:
             raise ApiError(404, "answers are not enabled on this service (it was started without a generator)")
-        prepared = answerer.prepare(body.question, body.k, who, body.as_of)  # errors here are plain JSON
-        if not body.stream:
-            return answerer.answer(prepared)
-        return StreamingResponse(
-            sse(answerer.stream(prepared)),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Answer-Id": prepared.answer_id},
+        prepared = await anyio.to_thread.run_sync(  # errors here are plain JSON
+            answerer.prepare, body.question, body.k, who, body.as_of, limiter=answer_pool
         )
+        if body.stream:
+            return StreamingResponse(
+                sse(answerer.stream(prepared), answer_pool),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Answer-Id": prepared.answer_id},
+            )
+        try:
+            done = await anyio.to_thread.run_sync(answerer.answer, prepared, limiter=answer_pool)
+        except GeneratorError as exc:  # audited already; the id finds the audit row
+            return JSONResponse({"error": secrets.redact(f"the generator failed: {exc}"),
+                                 "answer_id": prepared.answer_id}, status_code=502,
+                                headers={"X-Answer-Id": prepared.answer_id})  # fmt: skip
+        return JSONResponse(done, headers={"X-Answer-Id": prepared.answer_id})
 
     def _lineage() -> Lineage:
         if lineage is None:
@@ -241,8 +292,20 @@ def create_app(
     def chunk_lineage(chunk_id: str, who: Principal = Depends(principal)) -> dict[str, Any]:  # noqa: B008
         return _lineage().chunk(chunk_id, who)
 
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        return {"status": "alive"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        if not engine.ready:
+            return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "5"})
+        view = engine.current_view()
+        return JSONResponse({"status": "ready", "index_version": view.index_version,
+                             "lake_version": view.lake_version})  # fmt: skip
+
     @app.get("/healthz")
-    def healthz() -> JSONResponse:
+    async def healthz(request: Request) -> JSONResponse:
         health = engine.health()
         if answerer is not None and health["status"] != "starting":
             if answerer.audit is not None and not answerer.audit.healthy:
@@ -251,6 +314,11 @@ def create_app(
                 health["problems"].append(f"generator: {answerer.last_error}")
             if health["problems"]:
                 health["status"] = "degraded"
+        if "problems" in health:
+            if caller(request) is None:  # raw errors name hosts, buckets and paths: not for strangers
+                health["problems"] = [p.split(":", 1)[0] for p in health["problems"]]
+            else:
+                health["problems"] = [secrets.redact(p) for p in health["problems"]]
         return JSONResponse(health, status_code=200 if health["status"] != "starting" else 503)
 
     @app.get("/metrics")

@@ -8,6 +8,13 @@ not written twice. Every ``compact_every`` commits the writer compacts the table
 files and checkpoints its log. ``stop()`` drains the queue: no record is lost on a graceful stop.
 When the queue is full (the lake unreachable for a long time) a request waits at most
 ``put_timeout_s`` and the record is then counted as dropped and logged in full.
+
+A record that can never be written must not block the ones behind it. Records that do not
+fit the table's schema are set aside at once; a batch whose write keeps failing for
+``give_up_s`` (a table whose schema was changed under us, say) is set aside whole. Set
+aside means appended, with the reason, to the dead-letter file (JSON lines, default
+``~/.local/state/streamrag/audit-dead-letters.jsonl``), counted in
+``streamrag_audit_quarantined_total`` and logged; the writer then goes on.
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ import threading
 import time
 import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake.exceptions import SchemaMismatchError
 
 from pipelines.lake import Lake
 from retrieval import metrics
@@ -99,6 +108,14 @@ def now() -> datetime:
     return datetime.now(UTC)
 
 
+def default_dead_letter_path() -> Path:
+    return Path.home() / ".local" / "state" / "streamrag" / "audit-dead-letters.jsonl"
+
+
+class _Poison(Exception):
+    """A batch the table will never take as it is (its schema, not the store, refuses it)."""
+
+
 class AuditLog:
     def __init__(
         self,
@@ -110,8 +127,12 @@ class AuditLog:
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
         compact_every: int = 500,
+        give_up_s: float = 600.0,
+        dead_letter_path: Path | None = None,
     ) -> None:
         self.lake = lake
+        self.give_up_s = give_up_s
+        self.dead_letter_path = dead_letter_path or default_dead_letter_path()
         self.flush_rows = flush_rows
         self.flush_s = flush_s
         self.put_timeout_s = put_timeout_s
@@ -196,8 +217,10 @@ class AuditLog:
                 return
 
     def _write_until_done(self, batch: list[dict[str, Any]]) -> None:
+        batch = self._without_misfits(batch)
         delay = self.backoff_s
-        while True:
+        first_failure: float | None = None
+        while batch:
             try:
                 self._write(batch)
             except Exception as exc:  # noqa: BLE001 - keep the rows, retry
@@ -205,10 +228,12 @@ class AuditLog:
                 if str(exc) != self.last_error:
                     log.warning("audit write of %d records failed (retrying): %s", len(batch), exc)
                 self.last_error = str(exc)
+                first_failure = first_failure or time.monotonic()
+                if isinstance(exc, _Poison) or time.monotonic() - first_failure >= self.give_up_s:
+                    self._quarantine(batch, f"the audit table refused the batch for good: {exc}")
+                    return
                 if self._stop.is_set() and delay >= self.max_backoff_s:
-                    lost = json.dumps(batch, default=str)
-                    log.error("giving up on %d audit records at shutdown: %s", len(batch), lost)
-                    self._done(batch)
+                    self._quarantine(batch, f"still failing at shutdown: {exc}")
                     return
                 time.sleep(delay)
                 delay = min(self.max_backoff_s, delay * 2)
@@ -217,6 +242,40 @@ class AuditLog:
             metrics.AUDIT_WRITTEN.inc(len(batch))
             self._done(batch)
             return
+
+    def _without_misfits(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The batch less records that do not fit the table's schema (those are set aside)."""
+        try:
+            pa.Table.from_pylist(batch, schema=ANSWERS_SCHEMA)
+            return batch
+        except (pa.ArrowException, TypeError, ValueError, KeyError):
+            pass
+        fit = []
+        for row in batch:
+            try:
+                pa.Table.from_pylist([row], schema=ANSWERS_SCHEMA)
+            except (pa.ArrowException, TypeError, ValueError, KeyError) as exc:
+                self._quarantine([row], f"the record does not fit the audit table's schema: {exc}")
+            else:
+                fit.append(row)
+        return fit
+
+    def _quarantine(self, rows: list[dict[str, Any]], reason: str) -> None:
+        """Set records aside in the dead-letter file so that the ones behind them get written."""
+        metrics.AUDIT_QUARANTINED.inc(len(rows))
+        lines = "".join(
+            json.dumps({"quarantined_at": now().isoformat(), "reason": reason, "record": row}, default=str) + "\n"
+            for row in rows
+        )
+        try:
+            self.dead_letter_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.dead_letter_path.open("a", encoding="utf-8") as fh:
+                fh.write(lines)
+            log.error("%d audit records set aside in %s: %s", len(rows), self.dead_letter_path, reason)
+        except OSError as exc:  # the last resort: the log holds them in full
+            log.error("%d audit records set aside (%s; the dead-letter file failed too: %s): %s",
+                      len(rows), reason, exc, lines)  # fmt: skip
+        self._done(rows)
 
     def _done(self, batch: list[dict[str, Any]]) -> None:
         with self._lock:
@@ -234,7 +293,10 @@ class AuditLog:
         if (table.transaction_version(self.app_id) or 0) < seq:  # else: an earlier attempt landed
             rows = pa.Table.from_pylist(batch, schema=ANSWERS_SCHEMA)
             props = CommitProperties(app_transactions=[Transaction(self.app_id, seq)])
-            write_deltalake(table, rows, mode="append", commit_properties=props)
+            try:
+                write_deltalake(table, rows, mode="append", commit_properties=props)
+            except SchemaMismatchError as exc:
+                raise _Poison(str(exc)) from exc
         self._seq = seq
         if self.compact_every and seq % self.compact_every == 0:
             self._maintain(table)

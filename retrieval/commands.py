@@ -65,6 +65,13 @@ def add_commands(sub: Any) -> None:
     p.add_argument(
         "--no-audit", action="store_true", help="do not record answers in the lake's audit table (benchmarks only)"
     )
+    p.add_argument(
+        "--audit-dead-letters",
+        type=Path,
+        metavar="FILE",
+        help="where answer records the audit table refuses for good are set aside, as JSON lines "
+        "(default ~/.local/state/streamrag/audit-dead-letters.jsonl)",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("lineage", help="audit queries: where an answer came from, what a source row fed")
@@ -177,7 +184,7 @@ def _answers(args: argparse.Namespace, engine: Any, stack: Any) -> Any:
     if args.no_audit:
         log.warning("the audit log is off (--no-audit): answers will not be traceable")
     else:
-        audit = AuditLog(engine.lake)
+        audit = AuditLog(engine.lake, dead_letter_path=args.audit_dead_letters)
         audit.start()
         stack.callback(audit.stop)  # drains: no audit record lost on a graceful stop
     return Answerer(engine, generator, audit, identity)

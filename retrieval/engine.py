@@ -28,9 +28,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from indexing.manifest import latest_version, load_manifest, versions
+from indexing.manifest import ManifestError, latest_version, load_manifest, versions
 from indexing.reader import IndexReader, LoadedShard, ShardSource, take_rows
-from indexing.store import ObjectStore
+from indexing.store import NotFound, ObjectStore
 from pipelines.lake import Lake
 from retrieval import metrics
 from retrieval.tail import LakeTail, TailState, tail_at
@@ -228,7 +228,9 @@ class SearchEngine:
         self._tail: LakeTail | None = None
         self._readers: _LRU[int, IndexReader] = _LRU(4)
         self._tails: _LRU[tuple[int, int], TailState] = _LRU(16)
+        #: index version → the lake version it covers; shared by the watcher and requests
         self._lake_versions: dict[int, int] = {}
+        self._versions_lock = threading.Lock()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -269,7 +271,8 @@ class SearchEngine:
                 f"but the query embedder is {model}; serve it with that model (--model).",
                 status=503,
             )
-        self._lake_versions[reader.manifest.version] = reader.manifest.lake_version
+        with self._versions_lock:
+            self._lake_versions[reader.manifest.version] = reader.manifest.lake_version
         return reader
 
     def check_for_new_index(self) -> bool:
@@ -357,26 +360,54 @@ class SearchEngine:
                 f"as_of={lake_version} is newer than the newest lake version read ({current.lake_version}).",
                 status=404,
             )
-        for number in versions(self.store):
-            if number not in self._lake_versions:
-                self._lake_versions[number] = load_manifest(self.store, number).lake_version
-        candidates = [n for n, lv in self._lake_versions.items() if lv <= lake_version]
+        kept = self._kept_versions(current.index_version)
+        candidates = [n for n, lv in kept.items() if lv <= lake_version]
         if not candidates:
-            oldest = min(self._lake_versions.values(), default=None)
+            oldest = min(kept.values(), default=None)
             raise SearchError(
                 f"no index version was built at or before lake version {lake_version} "
                 f"(the oldest kept covers lake version {oldest}).",
                 status=404,
             )
         number = max(candidates)
-        reader = (
-            current.reader if number == current.index_version else self._readers.get(number, lambda: self._open(number))
-        )
+        if number == current.index_version:
+            reader = current.reader
+        else:
+            try:
+                reader = self._readers.get(number, lambda: self._open(number))
+            except (ManifestError, NotFound) as exc:  # garbage-collected since it was listed
+                raise self._collected(number, lake_version, self._kept_versions(current.index_version)) from exc
         base, dim = reader.manifest.lake_version, reader.manifest.dim
         # Rebuilt from the log, not cut from the live tail: that keeps only each chunk's
         # newest version, and the one current at lake_version may be an older one.
         tail = self._tails.get((base, lake_version), lambda: tail_at(self.lake, base, lake_version, dim))
         return View(reader, tail)
+
+    def _kept_versions(self, serving: int) -> dict[int, int]:
+        """Index versions in the store now (plus the one served) → the lake versions they cover."""
+        listed = set(versions(self.store)) | {serving}
+        with self._versions_lock:
+            known = dict(self._lake_versions)
+        for number in sorted(listed - known.keys()):
+            try:
+                known[number] = load_manifest(self.store, number).lake_version
+            except ManifestError:  # deleted between the listing and now
+                listed.discard(number)
+        with self._versions_lock:
+            for number in list(self._lake_versions):
+                if number not in listed:  # garbage-collected: never chosen again
+                    del self._lake_versions[number]
+            self._lake_versions.update({n: lv for n, lv in known.items() if n in listed})
+            return dict(self._lake_versions)
+
+    @staticmethod
+    def _collected(number: int, lake_version: int, kept: dict[int, int]) -> SearchError:
+        others = ", ".join(f"{n} (lake version {lv})" for n, lv in sorted(kept.items()) if n != number)
+        return SearchError(
+            f"index version {number}, which as_of={lake_version} needs, has been deleted by garbage "
+            f"collection (index build --keep); kept versions: {others or 'none'}.",
+            status=404,
+        )
 
     def search(
         self,
@@ -398,7 +429,14 @@ class SearchEngine:
         t1 = time.perf_counter()
         vector = self.queries.embed(query)
         t2 = time.perf_counter()
-        result = self.search_vector(view, vector, k, principal, with_vectors)
+        try:
+            result = self.search_vector(view, vector, k, principal, with_vectors)
+        except (ManifestError, NotFound) as exc:
+            if as_of is None or view.index_version == self._require_reader().manifest.version:
+                raise
+            # An old version's files went while this request used it (past the GC grace period).
+            serving = self._require_reader().manifest.version
+            raise self._collected(view.index_version, as_of, self._kept_versions(serving)) from exc
         t3 = time.perf_counter()
         result.timings = {"view_s": t1 - t0, "embed_s": t2 - t1, "search_s": t3 - t2}
         metrics.SEARCH_SECONDS.labels("embed").observe(t2 - t1)
@@ -447,7 +485,10 @@ class SearchEngine:
 
     def _allow(self, tail: TailState, groups: frozenset[str]) -> Callable[[int, LoadedShard], np.ndarray | None]:
         superseded = tail.superseded
-        stamp = (tail.base_version, tail.generation)
+        # The superseded set is a function of the lake versions the tail covers, (base, version]:
+        # two tails over the same range hold the same set. A generation number is no such key:
+        # an ``as_of`` tail and the live tail can both be generation 1 of one base.
+        stamp = (tail.base_version, tail.version)
 
         def allow(_: int, shard: LoadedShard) -> np.ndarray | None:
             visible = _memo(shard, ("acl", groups), lambda: acl_mask(shard.ids.column("acl"), groups))

@@ -10,6 +10,12 @@
 ACLs apply as in search: a caller sees a chunk version only if its ACL admits them, an
 answer only if they asked it, and nothing at all reveals that hidden things exist (not
 found, not forbidden). Members of the ``auditor`` group see everything.
+
+Non-interference: every answer is computed from the chunk versions the caller may see,
+*after* the hidden ones are dropped, so what a caller gets is exactly what they would get
+from a lake in which the hidden versions never existed. A hidden newer version does not
+turn a visible one into "updated", a hidden delete does not make a source "deleted", and a
+source or chunk with no visible version is a 404 like one that never existed.
 """
 
 from __future__ import annotations
@@ -70,8 +76,10 @@ class Lineage:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _chunks(self, filters: list[tuple[str, str, Any]]) -> pa.Table:
+    def _chunks(self, filters: list[tuple[str, str, Any]], who: Principal) -> pa.Table:
+        """The chunk versions matching ``filters`` that ``who`` may see, oldest first."""
         table = self.lake.table(CHUNKS).to_pyarrow_table(columns=CHUNK_COLUMNS, filters=filters)
+        table = table.filter(pa.array(self._visible(table, who))) if table.num_rows else table
         order = pc.sort_indices(table, [("position", "ascending"), ("ingest_time", "ascending")])
         return table.take(order)
 
@@ -97,10 +105,11 @@ class Lineage:
             raise SearchError(f"no answer {answer_id!r} visible to you.", status=404)
         row = found.slice(0, 1).to_pylist()[0]
         sources = row["sources"] or []
-        versions = self._chunks([("chunk_id", "in", sorted({s["chunk_id"] for s in sources}))]) if sources else None
+        wanted = sorted({s["chunk_id"] for s in sources})
+        versions = self._chunks([("chunk_id", "in", wanted)], who) if sources else None
         resolved: dict[int, dict[str, Any]] = {}
         for s in sources:
-            resolved[s["n"]] = self._resolve(s, versions, who)
+            resolved[s["n"]] = self._resolve(s, versions)
         cited = {c["n"]: c for c in row["citations"] or []}
         return {
             "answer_id": row["answer_id"],
@@ -131,20 +140,20 @@ class Lineage:
             "sentences": json.loads(row["sentences"]) if row["sentences"] else [],
         }
 
-    def _resolve(self, used: dict[str, Any], versions: pa.Table | None, who: Principal) -> dict[str, Any]:
+    def _resolve(self, used: dict[str, Any], versions: pa.Table | None) -> dict[str, Any]:
         """One source of an answer → the chunk version it was, and what became of it."""
         out: dict[str, Any] = {"n": used["n"], "chunk_id": used["chunk_id"], "score": used["score"],
                                "origin": used["origin"], "lake_version": used["lake_version"]}  # fmt: skip
+        # ``versions`` holds only what ``who`` may see: a version missing from it is hidden
+        # (or gone), and is shown as neither, not even by its id.
         if versions is None:
-            return {**out, "visible": False}
+            return {"n": used["n"], "visible": False}
         same = versions.filter(pc.equal(versions.column("chunk_id"), used["chunk_id"]))
         exact = same.filter(pc.equal(same.column("position"), used["position"]))
         if exact.num_rows == 0:
-            return {**out, "visible": False, "missing": True}
+            return {"n": used["n"], "visible": False}
         version = exact.slice(exact.num_rows - 1, 1)
-        if not self._visible(version, who)[0]:
-            return {"n": used["n"], "visible": False}  # not even its id
-        newest = same.slice(same.num_rows - 1, 1).to_pylist()[0]
+        newest = same.slice(same.num_rows - 1, 1).to_pylist()[0]  # the newest *visible* version
         now = "current"
         if newest["position"] != used["position"]:
             now = "deleted" if newest["op"] == "delete" else "updated"
@@ -153,34 +162,29 @@ class Lineage:
     # -- source row → chunk versions → answers -------------------------------------------------
 
     def source(self, table: str, pk: str, who: Principal) -> dict[str, Any]:
-        rows = self._chunks([("source_table", "=", table), ("source_pk", "=", pk)])
-        visible = self._visible(rows, who)
-        if not visible.any():
+        rows = self._chunks([("source_table", "=", table), ("source_pk", "=", pk)], who)
+        if rows.num_rows == 0:
             raise SearchError(f"no source row {table}/{pk} visible to you in the lake.", status=404)
-        shown = rows.filter(pa.array(visible))
         latest = latest_rows(rows)
         live = latest.filter(pc.equal(latest.column("op"), "upsert"))
-        live_visible = live.filter(pa.array(self._visible(live, who))) if live.num_rows else live
         return {
             "table": table,
             "pk": pk,
             "status": "live" if live.num_rows else "deleted",
-            "current_chunks": sorted(live_visible.column("chunk_id").to_pylist()),
-            "chunk_versions": [_chunk_version(r) for r in shown.to_pylist()],
+            "current_chunks": sorted(live.column("chunk_id").to_pylist()),
+            "chunk_versions": [_chunk_version(r) for r in rows.to_pylist()],
             "answers": self._answers_using(who, source=(table, pk)),
         }
 
     def chunk(self, chunk_id: str, who: Principal) -> dict[str, Any]:
-        rows = self._chunks([("chunk_id", "=", chunk_id)])
-        visible = self._visible(rows, who)
-        if not visible.any():
+        rows = self._chunks([("chunk_id", "=", chunk_id)], who)
+        if rows.num_rows == 0:
             raise SearchError(f"no chunk {chunk_id!r} visible to you in the lake.", status=404)
-        shown = rows.filter(pa.array(visible))
         newest = rows.slice(rows.num_rows - 1, 1).to_pylist()[0]
         return {
             "chunk_id": chunk_id,
             "status": "deleted" if newest["op"] == "delete" else "live",
-            "versions": [_chunk_version(r) for r in shown.to_pylist()],
+            "versions": [_chunk_version(r) for r in rows.to_pylist()],
             "answers": self._answers_using(who, chunk_id=chunk_id),
         }
 

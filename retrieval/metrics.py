@@ -48,4 +48,8 @@ AUDIT_FAILURES = Counter("streamrag_audit_write_failures_total", "Failed writes 
 AUDIT_DROPPED = Counter(
     "streamrag_audit_dropped_total", "Answer records dropped because the audit queue was full (logged in full)"
 )
+AUDIT_QUARANTINED = Counter(
+    "streamrag_audit_quarantined_total",
+    "Answer records that could never be written to the audit table, set aside in the audit dead-letter file",
+)
 RATE_LIMITED = Counter("streamrag_http_rate_limited_total", "Requests refused with 429 (per-principal rate limit)")

@@ -51,7 +51,6 @@ class TailState:
     live: pa.Table  # the upserts of rows
     vectors: np.ndarray  # embeddings of live, (n, dim)
     superseded: frozenset[str]
-    generation: int = 0
     #: when a poll last found the tail up to date with the lake (monotonic seconds)
     checked_at: float = field(default_factory=time.monotonic)
 
@@ -76,26 +75,26 @@ class TailState:
         """This tail plus rows committed up to ``version``."""
         if new_rows.num_rows == 0:
             return replace(self, version=version, checked_at=time.monotonic())
-        return _state(self.base_version, version, pa.concat_tables([self.rows, new_rows]), self.generation + 1)
+        return _state(self.base_version, version, pa.concat_tables([self.rows, new_rows]))
 
     def rebased(self, base_version: int) -> TailState:
         """The tail of a newer index (built at ``base_version``): drops what that index holds."""
         if base_version <= self.base_version:
             return self
         keep = self.rows.filter(pc.greater(self.rows.column("lake_version"), base_version))
-        return _state(base_version, max(self.version, base_version), keep, self.generation + 1)
+        return _state(base_version, max(self.version, base_version), keep)
 
 
 def _with_version(table: pa.Table, version: int) -> pa.Table:
     return table.append_column("lake_version", pa.array(np.full(table.num_rows, version, np.int64)))
 
 
-def _state(base: int, version: int, rows: pa.Table, generation: int) -> TailState:
+def _state(base: int, version: int, rows: pa.Table) -> TailState:
     rows = latest_rows(rows)
     live = rows.filter(pc.equal(rows.column("op"), "upsert"))
     vectors = embeddings(live) if live.num_rows else np.zeros((0, 0), np.float32)
     ids = frozenset(rows.column("chunk_id").to_pylist())
-    return TailState(base, version, rows, live, np.ascontiguousarray(vectors), ids, generation)
+    return TailState(base, version, rows, live, np.ascontiguousarray(vectors), ids)
 
 
 class LogReader:

@@ -9,6 +9,11 @@ reproducible). Connection failures (refused, reset, timed out while connecting) 
 502/503/504 are retried a bounded number of times with backoff, but never once a stream
 has produced tokens (a retry would repeat them). The model is the one configured, or the
 first that ``GET /models`` lists.
+
+Every way the server can fail surfaces as :class:`GeneratorError`, never as another
+exception: transport errors at any point (a read or write broken mid-response, a pod
+killed mid-stream), timeouts, error statuses, a 200 whose body is not the JSON expected,
+and malformed stream frames.
 """
 
 from __future__ import annotations
@@ -97,12 +102,23 @@ class Generator:
     @property
     def model(self) -> str:
         if self._model is None:
-            response = self._request("GET", "/models")
-            models = [m.get("id") for m in response.json().get("data", []) if isinstance(m, dict)]
+            data = self._json(self._request("GET", "/models"))
+            listed = data.get("data") if isinstance(data, dict) else None
+            models = [m.get("id") for m in listed or [] if isinstance(m, dict)]
             if not models or not models[0]:
                 raise GeneratorError(f"{self.where}/models lists no model; pass the model name.")
             self._model = str(models[0])
         return self._model
+
+    def _json(self, response: httpx.Response) -> Any:
+        """The response body as JSON; a body that is not (an HTML error page, a cut-off read) is an error."""
+        try:
+            return response.json()
+        except (ValueError, httpx.HTTPError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise GeneratorError(
+                f"the generator at {self.where} answered HTTP {response.status_code} with a body that is not JSON: "
+                f"{response.text[:200]!r}"
+            ) from exc
 
     def _refused(self, response: httpx.Response) -> GeneratorError:
         """The server's error, without our API key (some servers echo the credentials they refuse)."""
@@ -126,12 +142,14 @@ class Generator:
                 time.sleep(self.settings.backoff_s * 2 ** (attempt - 1))
             try:
                 response = self._http.request(method, path, json=body)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+            except _RETRYABLE as exc:
                 last = exc
                 log.warning("generator at %s unreachable (attempt %d): %s", self.where, attempt + 1, exc)
                 continue
             except httpx.TimeoutException as exc:
                 raise GeneratorError(f"the generator at {self.where} timed out: {exc}") from exc
+            except httpx.HTTPError as exc:  # a read or write broken mid-response, a bad encoding, …
+                raise GeneratorError(f"the generator at {self.where} failed mid-response: {_describe(exc)}") from exc
             if response.status_code in RETRY_STATUS:
                 last = GeneratorError(f"HTTP {response.status_code}")
                 continue
@@ -142,14 +160,16 @@ class Generator:
         raise GeneratorError(f"the generator at {self.where} is unavailable after {attempts} attempts: {last}")
 
     def complete(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> Completion:
-        data = self._request("POST", "/chat/completions", self._body(messages, False, max_tokens)).json()
+        data = self._json(self._request("POST", "/chat/completions", self._body(messages, False, max_tokens)))
         try:
             choice = data["choices"][0]
-            return Completion(
-                choice["message"]["content"] or "", data.get("model", self.model), choice.get("finish_reason"),
-                data.get("usage") or {},
-            )  # fmt: skip
-        except (KeyError, IndexError, TypeError) as exc:
+            content = choice["message"]["content"] or ""
+            if not isinstance(content, str):
+                raise TypeError(f"content is {type(content).__name__}")
+            usage = data.get("usage") or {}
+            return Completion(content, str(data.get("model") or self.model), choice.get("finish_reason"),
+                              usage if isinstance(usage, dict) else {})  # fmt: skip
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise GeneratorError(f"unexpected completion from the generator: {str(data)[:300]}") from exc
 
     def stream(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> Iterator[str]:
@@ -166,25 +186,56 @@ class Generator:
                     if response.status_code >= 400:
                         response.read()
                         raise self._refused(response)
+                    done = False
                     for line in response.iter_lines():
                         if not line.startswith("data:"):
                             continue
                         payload = line[5:].strip()
                         if payload == "[DONE]":
-                            return
-                        try:
-                            delta = json.loads(payload)["choices"][0].get("delta", {})
-                        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
-                            raise GeneratorError(f"unexpected stream event: {payload[:200]}") from exc
-                        text = delta.get("content")
+                            done = True
+                            break
+                        text, finish = _event(payload)
+                        done = done or finish is not None
                         if text:
                             started = True
                             yield text
+                    if not done:  # no [DONE] and no finish_reason: the server went away mid-answer
+                        raise GeneratorError(
+                            f"the generator stream from {self.where} ended without [DONE]: the answer may be cut off."
+                        )
                     return
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+            except _RETRYABLE as exc:
                 if started or attempt >= self.settings.retries:
-                    raise GeneratorError(f"the generator stream from {self.where} broke: {exc}") from exc
+                    raise GeneratorError(f"the generator stream from {self.where} broke: {_describe(exc)}") from exc
                 log.warning("generator unreachable (attempt %d): %s", attempt + 1, exc)
             except httpx.TimeoutException as exc:
                 raise GeneratorError(f"the generator at {self.where} timed out: {exc}") from exc
+            except httpx.HTTPError as exc:  # a read broken mid-stream (the server's pod killed), …
+                raise GeneratorError(f"the generator stream from {self.where} broke: {_describe(exc)}") from exc
         raise GeneratorError(f"the generator at {self.where} is unavailable.")
+
+
+#: failures before the server could have started answering: safe to retry (before any token)
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _event(payload: str) -> tuple[str | None, str | None]:
+    """(text, finish_reason) of one stream event (``data: {...}``); a malformed event is an error."""
+    try:
+        event = json.loads(payload)
+        if "error" in event and "choices" not in event:  # how servers report a failure mid-stream
+            raise GeneratorError(f"the generator reported an error mid-stream: {str(event['error'])[:200]}")
+        choices = event["choices"]
+        if not choices:  # a usage-only event (stream_options.include_usage)
+            return None, None
+        text = (choices[0].get("delta") or {}).get("content")
+        finish = choices[0].get("finish_reason")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise GeneratorError(f"unexpected stream event: {payload[:200]}") from exc
+    if text is not None and not isinstance(text, str):
+        raise GeneratorError(f"unexpected stream event: {payload[:200]}")
+    return text, None if finish is None else str(finish)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import faiss
@@ -173,7 +174,16 @@ def test_publish_claims_the_next_number_and_gc_keeps_the_newest(tmp_path: Path, 
     manifests = [build_index(snap, store.root, NONE, BuildOptions(nlist=8, progress=False)) for _ in range(3)]
     assert [publish(store, m) for m in manifests] == [1, 2, 3]
     assert latest_version(store) == 3 and store.get("LATEST") == b"3"
-    assert collect_garbage(store, keep=1) == [1, 2]
+    # Within the grace period nothing goes: replicas may still serve 1 and 2.
+    assert collect_garbage(store, keep=1) == [] and versions(store) == [1, 2, 3]
+    t0 = datetime.fromisoformat(manifests[0].created_at)
+    for number, m in enumerate(manifests, 1):  # built 100 s apart
+        m.created_at = (t0 + timedelta(seconds=100 * number)).isoformat()
+        store.put(f"versions/{number:08d}.json", m.to_json())
+    # At t0+270 s version 2 has replaced 1 for 70 s, and 3 has replaced 2 for -30 s.
+    assert collect_garbage(store, keep=1, grace_s=60, now=t0 + timedelta(seconds=270)) == [1]
+    assert versions(store) == [2, 3] and list(store.list(f"builds/{manifests[1].build_id}/"))
+    assert collect_garbage(store, keep=1, grace_s=0, now=t0 + timedelta(seconds=400)) == [2]
     assert versions(store) == [3]
     assert not list(store.list(f"builds/{manifests[0].build_id}/"))
     assert IndexReader(store).manifest.build_id == manifests[2].build_id

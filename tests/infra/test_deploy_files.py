@@ -142,8 +142,11 @@ def test_ports_probes_and_scrape_targets_agree() -> None:
     (container,) = containers(deployment)
     port = int(option(container["args"], "--port") or 0)
     assert {p["containerPort"] for p in container["ports"]} == {port}
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": port}
+    probes = {"startupProbe": "/livez", "readinessProbe": "/readyz", "livenessProbe": "/livez"}
+    for probe, path in probes.items():
+        assert container[probe]["httpGet"] == {"path": path, "port": port}
+    assert f"127.0.0.1:{port}/readyz" in " ".join(compose()["services"]["api"]["healthcheck"]["test"])
+    assert "HEALTHCHECK" not in (INFRA / "Dockerfile").read_text().replace("No image-wide HEALTHCHECK", "")
     assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(port)
     service = next(d for d in api if d["kind"] == "Service")
     assert service["spec"]["ports"][0]["targetPort"] == port

@@ -49,7 +49,7 @@ def test_tombstone_is_a_delete_marker_not_an_error() -> None:
 
 
 def test_composite_keys_are_json() -> None:
-    ev = decode(enc({"b": 2, "a": 1}), enc(envelope("c", {"a": 1, "b": 2, "body": "x"})), K, M)
+    ev = decode(enc({"b": 2, "a": 1}), enc(envelope("c", {"a": 1, "b": 2, "body": "x", "acl": []})), K, M)
     assert isinstance(ev, ChangeEvent) and ev.source_pk == '{"a":1,"b":2}'
 
 
@@ -97,7 +97,7 @@ def test_malformed_messages_are_dead_letters_with_reasons() -> None:
     assert "truncate" in bad(enc({**envelope(), "op": "t"})).error
     assert "needs an 'after' object" in bad(enc(envelope("c", None))).error
     assert "primary key column 'id'" in bad(enc(envelope("c", {"body": "x"}))).error
-    assert "text column 'body' is int" in bad(enc(envelope("c", {"id": 1, "body": 5}))).error
+    assert "text column 'body' is int" in bad(enc(envelope("c", {"id": 1, "body": 5, "acl": []}))).error
     assert "acl must be" in bad(enc(envelope("c", {"id": 1, "acl": {"x": 1}}))).error
     assert "JSON list" in bad(enc([1, 2])).error
     assert "'source'" in bad(enc({"op": "c", "after": {"id": 1}})).error
@@ -146,3 +146,25 @@ def test_nan_and_infinity_are_not_json() -> None:
         raw = b'{"before": null, "after": {"id": %s, "body": "b"}, "source": {"lsn": 1}, "op": "c"}' % constant.encode()
         letter = decode(None, raw, K, M)
         assert isinstance(letter, DeadLetter) and "not valid JSON" in letter.error, letter
+
+
+def test_acls_fail_closed_unless_the_mapping_declares_the_table_public() -> None:
+    """A renamed or dropped ACL column must not publish every row (issue 13)."""
+    missing, null = {"id": 1, "body": "salaries"}, {"id": 1, "body": "salaries", "acl": None}
+    for row in (missing, null):
+        letter = decode(None, enc(envelope("c", row)), K, M)
+        assert (
+            isinstance(letter, DeadLetter) and "acl column 'acl' is" in letter.error and "fail closed" in letter.error
+        )
+    explicit = decode(None, enc(envelope("c", {**missing, "acl": []})), K, M)
+    assert isinstance(explicit, ChangeEvent) and explicit.acl == ()
+    for spec in ({"acl": None}, {"public": True}):
+        config = MappingConfig.from_dict({"tables": {"docs": spec}})
+        for row in (missing, null):
+            ev = decode(None, enc(envelope("c", row)), K, config)
+            assert isinstance(ev, ChangeEvent) and ev.acl == (), spec
+    public = MappingConfig.from_dict({"tables": {"docs": {"public": True}}})
+    restricted = decode(None, enc(envelope("c", {**missing, "acl": "hr"})), K, public)
+    assert isinstance(restricted, ChangeEvent) and restricted.acl == ("hr",)  # a value given is still honoured
+    deleted = decode(None, enc(envelope("d", None, {"id": 1})), K, M)  # deletes need only the key
+    assert isinstance(deleted, ChangeEvent) and deleted.op == "delete"

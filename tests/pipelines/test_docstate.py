@@ -55,7 +55,10 @@ def test_insert_then_local_edit_reembeds_only_changed_chunks(chunker: Chunker) -
     assert update2 is not None and state2 is not None
     upserts = [v for v in update2.versions if v.op == "upsert"]
     deletes = [v for v in update2.versions if v.op == "delete"]
-    assert 1 <= len(upserts) <= 3 and len(upserts) < len(state2.chunks) / 2
+    new_content = [v for v in upserts if v.content_hash not in {h for _, h in state.chunks.values()}]
+    moved = [v for v in upserts if v not in new_content]
+    assert 1 <= len(new_content) <= 3 and len(new_content) < len(state2.chunks) / 2  # all that is embedded
+    assert all(state.chunks[v.chunk_id][0] != v.chunk_index for v in moved)
     assert {v.chunk_id for v in deletes} <= first
     assert set(state2.chunks) == (first - {v.chunk_id for v in deletes}) | {v.chunk_id for v in upserts}
 
@@ -110,3 +113,30 @@ def test_repeated_paragraphs_get_distinct_ids(chunker: Chunker) -> None:
     text = "\n\n".join([same, *doc(4, 6), same, *doc(5, 6), same])
     _, update, _ = apply_change(None, event(10, text), chunker)
     assert update is not None and len({v.chunk_id for v in update.versions}) == len(update.versions)
+
+
+def test_text_added_above_moves_the_chunks_below(chunker: Chunker) -> None:
+    """Every live chunk's latest row carries its current position in the document."""
+    paras = doc(3, n=8)
+    state, _, _ = apply_change(None, event(10, "\n\n".join(paras)), chunker)
+    assert state is not None
+    inserted = [paragraph(random.Random(99)), *paras]
+    state2, update, _ = apply_change(state, event(20, "\n\n".join(inserted)), chunker)
+    assert update is not None and state2 is not None
+    latest = {cid: index for cid, (index, _) in state.chunks.items()}
+    latest.update({v.chunk_id: v.chunk_index for v in update.versions if v.op == "upsert"})
+    for v in update.versions:
+        if v.op == "delete":
+            latest.pop(v.chunk_id, None)
+    assert latest == {cid: index for cid, (index, _) in state2.chunks.items()}
+    assert sorted(latest.values()) == list(range(len(state2.chunks)))
+    same_text = [v for v in update.versions if v.op == "upsert" and v.chunk_id in state.chunks]
+    assert same_text and all(v.content_hash == state.chunks[v.chunk_id][1] for v in same_text)
+
+
+def test_chunks_removed_by_a_restricting_edit_carry_the_new_acl(chunker: Chunker) -> None:
+    paras = doc(4, n=6)
+    state, _, _ = apply_change(None, event(10, "\n\n".join(paras)), chunker)
+    _, update, _ = apply_change(state, event(20, "\n\n".join(paras[:2]), acl=("hr",)), chunker)
+    assert update is not None and any(v.op == "delete" for v in update.versions)
+    assert all(v.acl == ("hr",) for v in update.versions)

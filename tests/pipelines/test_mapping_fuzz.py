@@ -36,7 +36,7 @@ table_spec = st.dictionaries(
     st.sampled_from(["id", "title", "text", "acl", "metadata"]) | st.sampled_from(["ids", "body"]),
     spec_value,
     max_size=5,
-)
+).flatmap(lambda spec: st.just(spec) | st.builds(lambda p: {**spec, "public": p}, st.booleans() | st.just("yes")))
 mapping_raw = st.fixed_dictionaries(
     {},
     optional={
@@ -99,7 +99,11 @@ def oracle(mapping: TableMapping, row: dict[str, Any]) -> tuple[str, str, tuple[
     texts = [text_of(c) for c in mapping.text_columns]
     if title is None or any(t is None for t in texts):
         return "column"
-    acl_value = row.get(mapping.acl_column) if mapping.acl_column else None
+    # Fail closed: a table whose mapping names an ACL column needs a value in every row,
+    # unless the mapping declares the table public; with no ACL column every row is public.
+    acl_value = row.get(mapping.acl_column) if mapping.acl_column else []
+    if acl_value is None and not mapping.public:
+        return "acl"
     if acl_value is None:
         acl: tuple[str, ...] = ()
     elif isinstance(acl_value, str):
@@ -160,6 +164,7 @@ def test_deletes_under_any_mapping_need_only_the_key(raw: dict[str, Any], row: d
         ({"tables": {"docs": "body"}}, "table 'docs' must map keys"),
         ({"tables": ["docs"]}, "'tables' must be an object"),
         ({"default": "x"}, "'default' must be an object"),
+        ({"default": {"public": "yes"}}, "'public' must be true or false"),
     ],
 )
 def test_bad_mapping_files_are_refused_with_the_key_named(raw: dict[str, Any], message: str) -> None:

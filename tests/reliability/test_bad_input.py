@@ -26,7 +26,7 @@ def good(pk: int) -> bytes:
 
 
 def envelope(**over: object) -> bytes:
-    base: dict[str, object] = {"before": None, "after": {"id": 1, "title": "t", "body": "b"},
+    base: dict[str, object] = {"before": None, "after": {"id": 1, "title": "t", "body": "b", "acl": []},
                                "source": {"table": "docs", "lsn": 5}, "op": "c", "ts_ms": 1}  # fmt: skip
     base.update(over)
     return json.dumps(base).encode()
@@ -49,6 +49,8 @@ BAD: list[tuple[str, bytes | None, bytes]] = [
     ("empty object", b"k14", b"{}"),
     ("source is a string", b"k15", envelope(source="docs")),
     ("NaN in JSON", b"k16", b'{"op": "c", "after": {"id": NaN}}'),
+    ("ACL column missing (fails closed)", b"k17", envelope(after={"id": 17, "title": "t", "body": "secret?"})),
+    ("ACL column null (fails closed)", b"k18", envelope(after={"id": 18, "title": "t", "body": "b", "acl": None})),
 ]
 
 

@@ -95,7 +95,7 @@ class Stream:
 
     def insert(self) -> None:
         pk, self.next_pk = self.next_pk, self.next_pk + 1
-        self.send("c", pk, {"id": pk, "title": f"Doc {pk}", "body": body(self.rng, 2)})
+        self.send("c", pk, {"id": pk, "title": f"Doc {pk}", "body": body(self.rng, 2), "acl": []})
 
     def step(self) -> None:
         """70% updates (one paragraph rewritten), 20% inserts, 10% deletes."""
@@ -110,7 +110,7 @@ class Stream:
             title, text, _ = self.corpus.expected[pk]
             paragraphs = text.split("\n\n")
             paragraphs[self.rng.randrange(len(paragraphs))] = paragraph(self.rng)
-            self.send("u", int(pk), {"id": int(pk), "title": title, "body": "\n\n".join(paragraphs)})
+            self.send("u", int(pk), {"id": int(pk), "title": title, "body": "\n\n".join(paragraphs), "acl": []})
 
     def run(self, seconds: float) -> None:
         t0 = time.monotonic()

@@ -176,3 +176,54 @@ def test_answer_keeps_paragraphs_and_code_blocks(audit: AuditLog) -> None:
     assert last == "Made up closing words here." and out["flagged"][-1] == last
     assert out["sentences"][1]["text"] == "```python\nprint('ice')\n```"
     audit.stop()
+
+
+def test_records_that_can_never_be_written_are_set_aside_not_blocking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record the table refuses (a bug, a schema changed under us) goes to the dead-letter
+    file with its reason; every record behind it is still written."""
+    import retrieval.audit
+    from retrieval import metrics
+
+    real = retrieval.audit.write_deltalake
+
+    def refuses_one_batch(table: Any, rows: Any, **kwargs: Any) -> None:
+        if "refused-for-good" in rows.column("answer_id").to_pylist():
+            raise OSError("the store refuses this batch (permanently, as it turns out)")
+        real(table, rows, **kwargs)
+
+    monkeypatch.setattr(retrieval.audit, "write_deltalake", refuses_one_batch)
+    dead = tmp_path / "dead.jsonl"
+    before = metrics.AUDIT_QUARANTINED._value.get()
+    audit = AuditLog(Lake.at(str(tmp_path / "lake")), flush_s=0.05, backoff_s=0.01, give_up_s=0.5,
+                     dead_letter_path=dead)  # fmt: skip
+    audit.start()
+    engine = StubEngine(TEXTS)
+    answerer = Answerer(engine, scripted(TEXTS[1], []), audit)  # type: ignore[arg-type]
+    good = answerer.answer(answerer.prepare("q", 2, Principal("bob")))["answer_id"]
+    assert audit.flush(10)
+    misfit = {"answer_id": "misfit", "k": "five", "time": "not a time"}  # wrong types for the schema
+    audit.record(misfit)
+    assert audit.flush(10)
+    audit.record({"answer_id": "refused-for-good", "status": "failed"})
+    assert audit.flush(10), "a batch the table refuses for good blocked the writer"
+    later = [answerer.answer(answerer.prepare(f"later {i}", 2, Principal("bob")))["answer_id"] for i in range(3)]
+    assert audit.flush(10) and audit.healthy
+    assert sorted(r["answer_id"] for r in audit_rows(audit)) == sorted([good, *later])
+    set_aside = [json.loads(line) for line in dead.read_text().splitlines()]
+    assert [d["record"]["answer_id"] for d in set_aside] == ["misfit", "refused-for-good"]
+    assert "schema" in set_aside[0]["reason"] and "refuses this batch" in set_aside[1]["reason"]
+    assert metrics.AUDIT_QUARANTINED._value.get() - before == 2
+
+
+def test_a_sentence_of_nothing_but_markers_keeps_its_validated_citations() -> None:
+    from retrieval.answer import _with_citations
+    from serving.citations import Attribution, SentenceSupport
+
+    attribution = Attribution([
+        SentenceSupport("Penguins swim with their wings.", [1], {1: 0.9}, [1]),
+        SentenceSupport("[1][2]", [1, 2], {1: 0.6, 2: 0.55}, [1, 2]),
+        SentenceSupport("[7]", [], {}, [7], invalid=[7]),
+    ])  # fmt: skip
+    assert _with_citations(attribution) == "Penguins swim with their wings [1]. [1][2]"

@@ -198,3 +198,51 @@ def test_an_index_of_an_older_snapshot_is_not_switched_to(setup) -> None:
     assert not engine.check_for_new_index()
     result = engine.search(docs[201].text, k=1)  # written at lake version 2: still found
     assert result.index_version == 1 and ids(result) == [docs[201].chunk_id]
+
+
+def test_an_as_of_query_never_lends_its_filter_to_live_queries(setup, tmp_path: Path) -> None:
+    """A replica restarted after two commits past the index reads both in one poll; an
+    ``as_of`` tail for the commit between them is as "young" as the live one. The index copy
+    of a document restricted by the second commit must stay hidden from live queries even
+    when the ``as_of`` query computed its filter first."""
+    engine, lake, docs = setup
+    other, doc = docs[21], docs[22]
+    between = lake.write([Doc(other.pk, other.text, ("legal",))])
+    lake.write([Doc(doc.pk, doc.text, ("legal",))])  # restricted after `between`
+    restarted = SearchEngine(lake.lake, engine.store, engine.embedder, ShardCache(tmp_path / "cache2"),
+                             EngineOptions(nprobe=16))  # fmt: skip
+    restarted.start(background=False)
+    outsider = Principal("otto", frozenset({"sales"}))
+    assert ids(restarted.search(doc.text, k=1, principal=outsider, as_of=between)) == [doc.chunk_id]
+    assert doc.chunk_id not in ids(restarted.search(doc.text, k=20, principal=outsider))
+    assert doc.chunk_id in ids(restarted.search(doc.text, k=20, principal=outsider, as_of=between))
+    assert doc.chunk_id not in ids(restarted.search(doc.text, k=20, principal=outsider))
+
+
+def test_as_of_after_garbage_collection_is_a_404_naming_the_kept_versions(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import retrieval.engine
+    from indexing.manifest import collect_garbage, versions
+
+    engine, lake, docs = setup
+    doc = docs[31]
+    for i in range(2):  # versions 2 and 3, each over a newer lake version
+        lake.write([Doc(9000 + i, f"filler {i}")])
+        build(lake, Path(engine.store.root))
+    assert engine.check_for_new_index()
+    assert ids(engine.search(doc.text, k=1, as_of=2)) == [doc.chunk_id]  # version 1 (lake version 2)
+    listed_before = versions(engine.store)
+    assert collect_garbage(engine.store, keep=1, grace_s=0) == [1, 2]
+    # A request that listed the versions just before the collection, then finds the version
+    # it chose gone: a 404 that says what happened and which versions are kept, not a 500.
+    with monkeypatch.context() as m:
+        listings = [listed_before]  # the first listing is from before the collection
+        m.setattr(retrieval.engine, "versions", lambda store: listings.pop() if listings else versions(store))
+        engine._readers = type(engine._readers)(4)  # not opened yet by this replica
+        with pytest.raises(SearchError, match=r"index version 1, which as_of=2 needs, has been deleted") as info:
+            engine.search(doc.text, k=1, as_of=2)
+    assert info.value.status == 404 and "kept versions: 3 (lake version 4)" in str(info.value)
+    with pytest.raises(SearchError, match=r"no index version was built at or before lake version 2") as info:
+        engine.search(doc.text, k=1, as_of=2)
+    assert info.value.status == 404 and "the oldest kept covers lake version 4" in str(info.value)
+    assert ids(engine.search(doc.text, k=1, as_of=4)) == [doc.chunk_id]
+    assert ids(engine.search(doc.text, k=1)) == [doc.chunk_id]  # the live view is untouched
