@@ -67,13 +67,6 @@ def scripted(reply: str | None, calls: list[dict[str, Any]], status: int = 200) 
     return Generator(settings, transport=httpx.MockTransport(handle))
 
 
-@pytest.fixture
-def audit(tmp_path: Path) -> AuditLog:
-    log = AuditLog(Lake.at(str(tmp_path / "lake")), flush_s=0.05)
-    log.start()
-    return log
-
-
 def audit_rows(audit: AuditLog) -> list[dict[str, Any]]:
     audit.stop()
     rows: list[dict[str, Any]] = DeltaTable(audit.lake.table_uri("answers")).to_pyarrow_table().to_pylist()

@@ -18,7 +18,7 @@ from retrieval.answer import Answerer
 from retrieval.api import create_app
 from retrieval.audit import AuditLog
 from serving.generator import Generator, GeneratorSettings
-from tests.retrieval.test_answer import TEXTS, StubEngine, audit, audit_rows  # noqa: F401 - the fixture
+from tests.retrieval.test_answer import TEXTS, StubEngine, audit_rows
 from tests.scripted_server import ScriptedServer, headers, sse
 
 QUESTION = {"question": "How do penguins swim?", "k": 2}
