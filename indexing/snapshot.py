@@ -13,12 +13,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipelines.lake import CHUNKS, Lake, LakeError, embeddings, latest_rows
+from pipelines.lake import CHUNKS, CHUNKS_SCHEMA, Lake, LakeError, embeddings, latest_rows
 
 #: What a shard's id map keeps of each chunk: enough to answer and to trace lineage.
 ROW_COLUMNS = [
     "chunk_id", "doc_id", "source_table", "source_pk", "position", "chunk_index", "title", "text",
-    "content_hash", "acl", "kafka_topic", "kafka_partition", "kafka_offset", "event_time", "ingest_time",
+    "content_hash", "acl", "metadata", "kafka_topic", "kafka_partition", "kafka_offset", "event_time", "ingest_time",
 ]  # fmt: skip
 
 
@@ -100,8 +100,14 @@ def load_partition(lake: Lake, version: int, files: list[FileRows]) -> Partition
         rows = wanted.get(fragment.path)
         if rows is None:
             continue
-        data = fragment.to_table(columns=[*ROW_COLUMNS, "embedding"])
-        tables.append(data.take(pa.array(rows, pa.int64())))
+        present = [c for c in ROW_COLUMNS if c in dataset.schema.names]  # lakes older than a column lack it
+        data = fragment.to_table(columns=[*present, "embedding"]).take(pa.array(rows, pa.int64()))
+        for name in ROW_COLUMNS:
+            if name not in present:
+                data = data.append_column(
+                    CHUNKS_SCHEMA.field(name), pa.nulls(data.num_rows, CHUNKS_SCHEMA.field(name).type)
+                )
+        tables.append(data.select([*ROW_COLUMNS, "embedding"]))
     if len(tables) != len(wanted):
         raise LakeError(f"{len(wanted) - len(tables)} lake files of version {version} were not found.")
     table = pa.concat_tables(tables)

@@ -5,7 +5,7 @@ Pure functions over a small state, used by the keyed stateful step of the flow:
 - a change at or before the last applied position is stale (late or duplicated) and
   ignored;
 - an upsert is chunked and diffed against the previous version: new chunks, chunks whose
-  document metadata (title, ACL) changed and chunks that moved (their ``chunk_index``
+  document metadata (title, ACL, metadata columns) changed and chunks that moved (their ``chunk_index``
   changed because text was added or removed above them) get upsert rows; chunks that
   disappeared get delete rows, carrying the document's *new* ACL (the change happened
   under it: a caller the new ACL excludes must not learn of it); untouched chunks get
@@ -18,6 +18,7 @@ Pure functions over a small state, used by the keyed stateful step of the flow:
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -38,6 +39,15 @@ class DocState:
     acl: tuple[str, ...] = ()
     #: chunk id → (chunk index, content hash) of the live version
     chunks: dict[str, tuple[int, str]] = field(default_factory=dict)
+    #: the metadata JSON of the live version (a class default: states pickled before it existed load)
+    metadata: str | None = None
+
+
+def metadata_json(event: ChangeEvent) -> str | None:
+    """A document's mapped metadata columns as one JSON object, or None when none are mapped."""
+    if not event.metadata:
+        return None
+    return json.dumps({col: json.loads(value) for col, value in event.metadata}, sort_keys=True)
 
 
 def chunk_id(doc_id: str, content_hash: str, occurrence: int) -> str:
@@ -96,6 +106,7 @@ def _version(
         event_time_ms=event.event_time_ms,
         token_count=tokens,
         title=event.title,
+        metadata=metadata_json(event),
     )
 
 
@@ -112,7 +123,12 @@ def _upsert(
     state: DocState | None, event: ChangeEvent, position: str, chunker: Chunker
 ) -> tuple[DocState, list[ChunkVersion]]:
     old = state.chunks if state is not None and state.live else {}
-    meta_changed = state is None or not state.live or (state.title, state.acl) != (event.title, event.acl)
+    metadata = metadata_json(event)
+    meta_changed = (
+        state is None
+        or not state.live
+        or (state.title, state.acl, state.metadata) != (event.title, event.acl, metadata)
+    )
     seen: dict[str, int] = {}
     new_chunks: dict[str, tuple[int, str]] = {}
     versions: list[ChunkVersion] = []
@@ -138,4 +154,4 @@ def _upsert(
     for cid, (index, chash) in old.items():
         if cid not in new_chunks:
             versions.append(_version(event, position, cid, "delete", index, "", chash, event.acl))
-    return DocState(position, True, event.title, event.acl, new_chunks), versions
+    return DocState(position, True, event.title, event.acl, new_chunks, metadata), versions

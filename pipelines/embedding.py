@@ -72,6 +72,7 @@ class BatchEmbedder:
                 "embedding": vectors,
                 "model": [self.model if v.op == "upsert" else None for v in versions],
                 "acl": [list(v.acl) for v in versions],
+                "metadata": [v.metadata for v in versions],
                 "kafka_topic": [v.kafka.topic for v in versions],
                 "kafka_partition": [v.kafka.partition for v in versions],
                 "kafka_offset": [v.kafka.offset for v in versions],

@@ -46,6 +46,7 @@ CHUNKS_SCHEMA = pa.schema(
         ("embedding", pa.list_(pa.float32())),
         ("model", pa.string()),
         ("acl", pa.list_(pa.string())),
+        ("metadata", pa.string()),  # JSON object of the table's mapped metadata columns (null: none)
         ("kafka_topic", pa.string()),
         ("kafka_partition", pa.int32()),
         ("kafka_offset", pa.int64()),
@@ -109,9 +110,22 @@ class Lake:
                 description=_DESCRIPTION.format(name=name, writers=writers),
                 storage_options=self.options,
             )
+        self._add_missing_columns()
         description = self.table(CHUNKS).metadata().description or ""
         _, _, recorded = description.rpartition("writers=")
         return int(recorded) if recorded.isdigit() else writers
+
+    def _add_missing_columns(self) -> None:
+        """Lakes made by older versions lack newer (nullable) columns: add them, keeping every row."""
+        from deltalake.schema import Field
+
+        for name, schema in SCHEMAS.items():
+            table = self.table(name)
+            present = set(table.schema().to_arrow().names)
+            missing = [f for f in schema if f.name not in present]
+            if missing:
+                log.info("adding columns %s to the %s table", [f.name for f in missing], name)
+                table.alter.add_columns([Field.from_arrow(f) for f in missing])
 
     def table(self, name: str, version: int | None = None) -> DeltaTable:
         try:

@@ -76,6 +76,8 @@ class ChunkVersion:
     event_time_ms: int | None
     token_count: int = 0
     title: str = ""
+    #: the document's mapped metadata columns as a JSON object (sorted keys); None = none mapped
+    metadata: str | None = None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import numpy as np
 from retrieval import metrics
 from retrieval.audit import AuditLog, now
 from retrieval.engine import Principal, QueryEmbedder, SearchEngine, SearchError, SearchResult
+from retrieval.filters import MetadataFilter
 from serving.citations import Attribution, attribute, is_code, strip_markers
 from serving.generator import Generator, GeneratorError
 from serving.prompt import Source, build_messages, prompt_hash
@@ -95,7 +96,14 @@ class Answerer:
 
     # -- stages ------------------------------------------------------------------------------
 
-    def prepare(self, question: str, k: int, principal: Principal, as_of: int | None = None) -> Prepared:
+    def prepare(
+        self,
+        question: str,
+        k: int,
+        principal: Principal,
+        as_of: int | None = None,
+        where: MetadataFilter | None = None,
+    ) -> Prepared:
         if not isinstance(question, str) or not question.strip():
             raise SearchError("question must be a non-empty string.")
         if len(question) > self.options.max_question_chars:
@@ -104,7 +112,7 @@ class Answerer:
         if not 1 <= k <= self.options.max_k:
             raise SearchError(f"k must be between 1 and {self.options.max_k}.")
         t0 = time.perf_counter()
-        result = self.engine.search(question, k, principal, as_of, with_vectors=True)
+        result = self.engine.search(question, k, principal, as_of, with_vectors=True, where=where)
         sources = [
             Source(n, r.get("title") or "", clip(r["text"], self.options.max_source_chars))
             for n, r in enumerate(result.results, 1)

@@ -42,6 +42,7 @@ from retrieval import metrics
 from retrieval.answer import Answerer
 from retrieval.auth import Tokens, bearer
 from retrieval.engine import ANONYMOUS, Principal, SearchEngine, SearchError
+from retrieval.filters import FilterError, MetadataFilter
 from retrieval.lineage import Lineage
 from serving.generator import GeneratorError
 
@@ -50,12 +51,25 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024
 
 
+FILTER_HELP = (
+    'only chunks whose document metadata matches: {"key": value or [any of these values]}, every key must match'
+)
+
+
+def where(raw: dict[str, Any] | None) -> MetadataFilter | None:
+    try:
+        return MetadataFilter.parse(raw)
+    except FilterError as exc:
+        raise ApiError(422, str(exc)) from exc
+
+
 class SearchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     query: str = Field(min_length=1, max_length=4096, description="what to search for")
     k: int = Field(default=10, ge=1, le=100, description="how many results")
     as_of: int | None = Field(default=None, ge=0, description="answer as of this lake version (audits)")
+    filter: dict[str, Any] | None = Field(default=None, description=FILTER_HELP)
 
 
 class AnswerRequest(BaseModel):
@@ -65,6 +79,7 @@ class AnswerRequest(BaseModel):
     k: int = Field(default=5, ge=1, le=20, description="how many sources to ground the answer on")
     stream: bool = Field(default=False, description="stream tokens as server-sent events")
     as_of: int | None = Field(default=None, ge=0, description="answer from the lake as of this version")
+    filter: dict[str, Any] | None = Field(default=None, description=FILTER_HELP)
 
 
 def sse_frame(name: str, data: dict[str, Any]) -> str:
@@ -244,7 +259,7 @@ def create_app(
     @app.post("/v1/search")
     def search(body: SearchRequest, who: Principal = Depends(principal)) -> dict[str, Any]:  # noqa: B008
         t0 = time.perf_counter()
-        result = engine.search(body.query, body.k, who, body.as_of)
+        result = engine.search(body.query, body.k, who, body.as_of, where=where(body.filter))
         return {
             "results": result.results,
             "index_version": result.index_version,
@@ -259,7 +274,7 @@ def create_app(
         if answerer is None:
             raise ApiError(404, "answers are not enabled on this service (it was started without a generator)")
         prepared = await anyio.to_thread.run_sync(  # errors here are plain JSON
-            answerer.prepare, body.question, body.k, who, body.as_of, limiter=answer_pool
+            answerer.prepare, body.question, body.k, who, body.as_of, where(body.filter), limiter=answer_pool
         )
         if body.stream:
             return StreamingResponse(

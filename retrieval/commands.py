@@ -99,6 +99,11 @@ def add_commands(sub: Any) -> None:
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--groups", default="", help="comma-separated groups of the caller (default: public only)")
     p.add_argument("--as-of", type=int, help="answer as of this lake version")
+    p.add_argument(
+        "--filter",
+        metavar="JSON",
+        help='only documents whose metadata matches, e.g. \'{"team": "eng", "year": [2025, 2026]}\'',
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_search)
 
@@ -125,11 +130,16 @@ def _engine(args: argparse.Namespace, tail_poll: float = 0.5, index_poll: float 
 
 def cmd_search(args: argparse.Namespace) -> int:
     from retrieval.engine import Principal
+    from retrieval.filters import MetadataFilter
 
+    try:
+        where = MetadataFilter.parse(json.loads(args.filter)) if args.filter else None
+    except ValueError as exc:  # FilterError and JSONDecodeError
+        raise ValueError(f"--filter: {exc}") from exc
     engine = _engine(args)
     engine.start(background=False)
     groups = frozenset(g.strip() for g in args.groups.split(",") if g.strip())
-    result = engine.search(args.query, args.k, Principal("cli", groups), args.as_of)
+    result = engine.search(args.query, args.k, Principal("cli", groups), args.as_of, where=where)
     if args.json:
         print(json.dumps({"results": result.results, "index_version": result.index_version,
                           "lake_version": result.lake_version}))  # fmt: skip

@@ -294,7 +294,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         def ready() -> bool:
             try:
-                return httpx.get(f"{demo.url}/healthz", timeout=2).status_code == 200
+                return httpx.get(f"{demo.url}/readyz", timeout=2).status_code == 200
             except httpx.TransportError:
                 return False
 

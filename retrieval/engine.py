@@ -33,6 +33,7 @@ from indexing.reader import IndexReader, LoadedShard, ShardSource, take_rows
 from indexing.store import NotFound, ObjectStore
 from pipelines.lake import Lake
 from retrieval import metrics
+from retrieval.filters import MetadataFilter, parse_metadata
 from retrieval.tail import LakeTail, TailState, tail_at
 from serving.embedder import Embedder
 
@@ -201,6 +202,7 @@ def lineage(row: dict[str, Any], score: float, lake_version: int, index_version:
             "event_time": _iso(row.get("event_time")),
             "kafka": {"topic": row["kafka_topic"], "partition": row["kafka_partition"], "offset": row["kafka_offset"]},
         },
+        "metadata": parse_metadata(row.get("metadata")),
         "lake_version": lake_version,
         "index_version": index_version,
         "origin": origin,
@@ -416,8 +418,10 @@ class SearchEngine:
         principal: Principal = ANONYMOUS,
         as_of: int | None = None,
         with_vectors: bool = False,
+        where: MetadataFilter | None = None,
     ) -> SearchResult:
-        """Top-k visible chunks; ``with_vectors`` also returns their stored embeddings (answers need them)."""
+        """Top-k visible chunks (matching ``where``, if given); ``with_vectors`` also returns their
+        stored embeddings (answers need them)."""
         if not isinstance(query, str) or not query.strip():
             raise SearchError("query must be a non-empty string.")
         if len(query) > self.options.max_query_chars:
@@ -430,7 +434,7 @@ class SearchEngine:
         vector = self.queries.embed(query)
         t2 = time.perf_counter()
         try:
-            result = self.search_vector(view, vector, k, principal, with_vectors)
+            result = self.search_vector(view, vector, k, principal, with_vectors, where)
         except (ManifestError, NotFound) as exc:
             if as_of is None or view.index_version == self._require_reader().manifest.version:
                 raise
@@ -444,11 +448,17 @@ class SearchEngine:
         return result
 
     def search_vector(
-        self, view: View, vector: np.ndarray, k: int, principal: Principal, with_vectors: bool = False
+        self,
+        view: View,
+        vector: np.ndarray,
+        k: int,
+        principal: Principal,
+        with_vectors: bool = False,
+        where: MetadataFilter | None = None,
     ) -> SearchResult:
         reader, tail = view.reader, view.tail
         nlist = reader.manifest.nlist
-        allow = self._allow(tail, principal.groups)
+        allow = self._allow(tail, principal.groups, where)
         nprobe = min(self.options.nprobe or default_nprobe(nlist), nlist)
         query = np.ascontiguousarray(vector[None, :], dtype=np.float32)
         while True:
@@ -458,6 +468,8 @@ class SearchEngine:
             nprobe = min(nlist, nprobe * 4)
             metrics.NPROBE_WIDENED.inc()
         tail_allowed = acl_mask(tail.live.column("acl"), principal.groups) if tail.live.num_rows else None
+        if where is not None and tail_allowed is not None:
+            tail_allowed = tail_allowed & where.mask(tail.live.column("metadata"), tail.live.num_rows)
         merged: list[tuple[float, str, Any]] = [(h.distance, "index", h) for h in hits]
         merged += [(d, "tail", i) for i, d in tail.search(vector, k, tail_allowed)]
         merged.sort(key=lambda m: m[0])
@@ -483,7 +495,9 @@ class SearchEngine:
                                 for _, origin, _ in merged])  # fmt: skip
         return SearchResult(results, reader.manifest.version, tail.version, nprobe, tail.live.num_rows, {}, vectors)
 
-    def _allow(self, tail: TailState, groups: frozenset[str]) -> Callable[[int, LoadedShard], np.ndarray | None]:
+    def _allow(
+        self, tail: TailState, groups: frozenset[str], where: MetadataFilter | None = None
+    ) -> Callable[[int, LoadedShard], np.ndarray | None]:
         superseded = tail.superseded
         # The superseded set is a function of the lake versions the tail covers, (base, version]:
         # two tails over the same range hold the same set. A generation number is no such key:
@@ -493,6 +507,11 @@ class SearchEngine:
         def allow(_: int, shard: LoadedShard) -> np.ndarray | None:
             visible = _memo(shard, ("acl", groups), lambda: acl_mask(shard.ids.column("acl"), groups))
             mask = None if visible.all() else visible
+            if where is not None:
+                ids = shard.ids
+                column = ids.column("metadata") if "metadata" in ids.column_names else None
+                matching = _memo(shard, ("metadata", where.key), lambda: where.mask(column, ids.num_rows))
+                mask = matching if mask is None else mask & matching
             if superseded:
                 stale = _memo(shard, ("superseded", stamp), lambda: _superseded(shard, superseded))
                 if stale.any():
@@ -504,8 +523,8 @@ class SearchEngine:
 
 #: what a result needs of its chunk's row (reading fewer columns makes lineage cheap)
 LINEAGE_COLUMNS = [
-    "chunk_id", "doc_id", "title", "text", "chunk_index", "source_table", "source_pk", "position", "event_time",
-    "kafka_topic", "kafka_partition", "kafka_offset",
+    "chunk_id", "doc_id", "title", "text", "chunk_index", "metadata", "source_table", "source_pk", "position",
+    "event_time", "kafka_topic", "kafka_partition", "kafka_offset",
 ]  # fmt: skip
 
 

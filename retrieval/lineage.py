@@ -31,14 +31,15 @@ import pyarrow.compute as pc
 from pipelines.lake import CHUNKS, Lake, LakeError, latest_rows
 from retrieval.audit import ANSWERS, AuditLog
 from retrieval.engine import Principal, SearchError, acl_mask
+from retrieval.filters import parse_metadata
 
 AUDITOR = "auditor"
 
 #: chunk columns lineage reports (never the embedding)
 CHUNK_COLUMNS = [
     "chunk_id", "doc_id", "source_table", "source_pk", "position", "op", "chunk_index", "title", "text",
-    "content_hash", "model", "acl", "kafka_topic", "kafka_partition", "kafka_offset", "event_time", "ingest_time",
-    "writer", "writer_seq",
+    "content_hash", "model", "acl", "metadata", "kafka_topic", "kafka_partition", "kafka_offset", "event_time",
+    "ingest_time", "writer", "writer_seq",
 ]  # fmt: skip
 
 
@@ -56,6 +57,7 @@ def _chunk_version(row: dict[str, Any]) -> dict[str, Any]:
         "text": row["text"],
         "content_hash": row["content_hash"],
         "acl": row["acl"] or [],
+        "metadata": parse_metadata(row.get("metadata")),
         "source": {
             "table": row["source_table"],
             "pk": row["source_pk"],
@@ -78,7 +80,9 @@ class Lineage:
 
     def _chunks(self, filters: list[tuple[str, str, Any]], who: Principal) -> pa.Table:
         """The chunk versions matching ``filters`` that ``who`` may see, oldest first."""
-        table = self.lake.table(CHUNKS).to_pyarrow_table(columns=CHUNK_COLUMNS, filters=filters)
+        delta = self.lake.table(CHUNKS)
+        present = set(delta.schema().to_arrow().names)  # a lake older than a column lacks it
+        table = delta.to_pyarrow_table(columns=[c for c in CHUNK_COLUMNS if c in present], filters=filters)
         table = table.filter(pa.array(self._visible(table, who))) if table.num_rows else table
         order = pc.sort_indices(table, [("position", "ascending"), ("ingest_time", "ascending")])
         return table.take(order)

@@ -124,7 +124,11 @@ class LogReader:
             raise TailError(f"data file {path} is outside the table; absolute paths are not supported.")
         table = pq.read_table(io.BytesIO(self.store.get(path)))
         table = table.select([n for n in CHUNKS_SCHEMA.names if n in table.column_names])
-        return _with_version(table.cast(pa.schema([CHUNKS_SCHEMA.field(n) for n in table.column_names])), version)
+        table = table.cast(pa.schema([CHUNKS_SCHEMA.field(n) for n in table.column_names]))
+        for column in CHUNKS_SCHEMA:  # files written before a column existed: nulls, one schema for all
+            if column.name not in table.column_names:
+                table = table.append_column(column, pa.nulls(table.num_rows, column.type))
+        return _with_version(table.select(CHUNKS_SCHEMA.names), version)
 
     def read(self, after: int, until: int | None = None, limit: int | None = None) -> tuple[pa.Table, int]:
         """Rows of the commits after version ``after`` (up to ``until``); the last version read."""

@@ -34,7 +34,7 @@ def chunk_rows(
             "position": [position] * n, "op": [op] * n, "chunk_index": [0] * n, "title": ["t"] * n,
             "text": [f"text {start + i}" for i in range(n)], "content_hash": ids, "token_count": [5] * n,
             "embedding": pa.ListArray.from_arrays(offsets, values), "model": [model] * n,
-            "acl": [[] for _ in range(n)], "kafka_topic": ["t"] * n, "kafka_partition": [0] * n,
+            "acl": [[] for _ in range(n)], "metadata": [None] * n, "kafka_topic": ["t"] * n, "kafka_partition": [0] * n,
             "kafka_offset": list(range(start, start + n)), "event_time": [now] * n, "ingest_time": [now] * n,
             "writer": [None] * n, "writer_seq": [None] * n,
         },

@@ -140,3 +140,19 @@ def test_chunks_removed_by_a_restricting_edit_carry_the_new_acl(chunker: Chunker
     _, update, _ = apply_change(state, event(20, "\n\n".join(paras[:2]), acl=("hr",)), chunker)
     assert update is not None and any(v.op == "delete" for v in update.versions)
     assert all(v.acl == ("hr",) for v in update.versions)
+
+
+def test_metadata_travels_with_every_chunk_and_a_change_rewrites_them(chunker: Chunker) -> None:
+    import dataclasses
+    import json
+
+    text = "\n\n".join(doc(5, n=4))
+    tagged = dataclasses.replace(event(10, text), metadata=(("team", '"eng"'), ("year", "2026")))
+    state, update, _ = apply_change(None, tagged, chunker)
+    assert update is not None and state is not None
+    assert {v.metadata for v in update.versions} == {json.dumps({"team": "eng", "year": 2026}, sort_keys=True)}
+    assert apply_change(state, dataclasses.replace(tagged, position="pg:00000000000000000011"), chunker)[1] is None
+    moved = dataclasses.replace(tagged, position="pg:00000000000000000012", metadata=(("team", '"ops"'),))
+    _, update2, _ = apply_change(state, moved, chunker)
+    assert update2 is not None and len(update2.versions) == len(state.chunks)
+    assert all(v.op == "upsert" and v.metadata == '{"team": "ops"}' for v in update2.versions)

@@ -164,3 +164,25 @@ def test_a_bare_seq_from_an_older_recovery_directory_still_resumes(lake: Lake) -
     again = LakeWriter(lake, DEAD_LETTERS, "job:dl:001", 1)
     again.write(letters(2, 3))
     assert offsets(lake) == [1, 2, 3]
+
+
+def test_a_lake_made_before_the_metadata_column_is_upgraded_in_place(tmp_path: Path) -> None:
+    """Older lakes lack newer nullable columns: ensure_tables adds them and old rows read as null."""
+    import numpy as np
+    from deltalake import DeltaTable
+
+    from pipelines.lake import CHUNKS_SCHEMA, current_chunks
+    from tests.indexing.lakes import chunk_rows
+
+    lake = Lake.at(str(tmp_path / "old"))
+    old_schema = pa.schema([f for f in CHUNKS_SCHEMA if f.name != "metadata"])
+    DeltaTable.create(lake.table_uri(CHUNKS), old_schema, description="streamrag chunks table; writers=1")
+    old = chunk_rows(np.eye(2, 4, dtype=np.float32)).drop_columns(["metadata"])
+    LakeWriter(lake, CHUNKS, "old", None).write(old)
+    assert lake.ensure_tables(1) == 1
+    new = chunk_rows(np.eye(1, 4, dtype=np.float32), start=5)
+    new = new.set_column(new.schema.get_field_index("metadata"), "metadata", pa.array(['{"team": "eng"}']))
+    LakeWriter(lake, CHUNKS, "new", None).write(new)
+    rows = current_chunks(lake, columns=["chunk_id", "metadata"]).sort_by("chunk_id").to_pylist()
+    assert rows == [{"chunk_id": "c0000000", "metadata": None}, {"chunk_id": "c0000001", "metadata": None},
+                    {"chunk_id": "c0000005", "metadata": '{"team": "eng"}'}]  # fmt: skip

@@ -19,6 +19,7 @@ class Doc:
     pk: int
     text: str
     acl: tuple[str, ...] = ()
+    metadata: str | None = None  # JSON object, as the ingest job stores it
 
     @property
     def chunk_id(self) -> str:
@@ -34,6 +35,7 @@ def rows(embedder: Embedder, docs: list[Doc], position: int, op: str = "upsert")
         "source_pk": [str(d.pk) for d in docs],
         "text": [d.text if op == "upsert" else "" for d in docs],
         "acl": pa.array([list(d.acl) for d in docs], pa.list_(pa.string())),
+        "metadata": pa.array([d.metadata for d in docs], pa.string()),
     }
     for name, values in replace.items():
         table = table.set_column(

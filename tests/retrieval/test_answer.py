@@ -16,6 +16,7 @@ from retrieval.answer import NO_ANSWER, Answerer
 from retrieval.api import create_app
 from retrieval.audit import AuditLog
 from retrieval.engine import Principal, QueryEmbedder, SearchResult, lineage
+from retrieval.filters import MetadataFilter
 from serving.embedder import FakeEmbedder
 from serving.generator import Generator, GeneratorError, GeneratorSettings
 
@@ -41,11 +42,19 @@ class StubEngine:
         self.queries = QueryEmbedder(self.embedder)
         self.texts = texts
         self.searches: list[Principal] = []
+        self.filters: list[MetadataFilter | None] = []
 
     def search(
-        self, query: str, k: int, who: Principal, as_of: int | None = None, with_vectors: bool = False
+        self,
+        query: str,
+        k: int,
+        who: Principal,
+        as_of: int | None = None,
+        with_vectors: bool = False,
+        where: MetadataFilter | None = None,
     ) -> SearchResult:
         self.searches.append(who)
+        self.filters.append(where)
         rows = [result_row(i, t) for i, t in enumerate(self.texts[:k])]
         return SearchResult(rows, 3, 7, 4, 0, {})
 
@@ -220,3 +229,14 @@ def test_a_sentence_of_nothing_but_markers_keeps_its_validated_citations() -> No
         SentenceSupport("[7]", [], {}, [7], invalid=[7]),
     ])  # fmt: skip
     assert _with_citations(attribution) == "Penguins swim with their wings [1]. [1][2]"
+
+
+def test_filters_reach_the_search_and_bad_ones_are_a_422(audit: AuditLog) -> None:
+    engine = StubEngine(TEXTS)
+    client = TestClient(create_app(engine, None, Answerer(engine, scripted(TEXTS[0], []), audit)))  # type: ignore[arg-type]
+    r = client.post("/v1/answer", json={"question": "penguins?", "filter": {"team": ["eng", "ops"]}})
+    assert r.status_code == 200 and engine.filters[-1] == MetadataFilter.parse({"team": ["ops", "eng"]})
+    for body in ({"question": "q", "filter": {"team": {"a": 1}}}, {"question": "q", "filter": {"": 1}}):
+        r = client.post("/v1/answer", json=body)
+        assert r.status_code == 422 and "filter" in r.json()["error"], r.text
+    audit.stop()

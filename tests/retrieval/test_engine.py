@@ -246,3 +246,33 @@ def test_as_of_after_garbage_collection_is_a_404_naming_the_kept_versions(setup,
     assert info.value.status == 404 and "the oldest kept covers lake version 4" in str(info.value)
     assert ids(engine.search(doc.text, k=1, as_of=4)) == [doc.chunk_id]
     assert ids(engine.search(doc.text, k=1)) == [doc.chunk_id]  # the live view is untouched
+
+
+def test_metadata_filters_apply_inside_the_scan_in_the_index_and_the_tail(tmp_path: Path, ray_local: None) -> None:
+    """A filter that a tenth of the documents match still gets k of them (the probe widens),
+    from the index and the tail alike, and results carry their metadata."""
+    import json
+
+    from retrieval.filters import MetadataFilter
+
+    embedder = FakeEmbedder(dim=32)
+    lake = DocLake(str(tmp_path / "lake"), embedder)
+    rng = random.Random(3)
+    docs = [Doc(pk, f"doc {pk} {words(rng)}", (), json.dumps({"team": ["eng", "ops"][pk % 10 == 0], "year": 2026}))
+            for pk in range(300)]  # fmt: skip
+    lake.write(docs)
+    build(lake, tmp_path / "index")
+    fresh = Doc(900, "doc 900 freshly written after the index", (), json.dumps({"team": "ops", "year": 2026.0}))
+    moved = Doc(10, docs[10].text, (), json.dumps({"team": "eng", "year": 2026}))  # ops → eng after the index
+    lake.write([fresh, moved])
+    engine = SearchEngine(lake.lake, LocalStore(str(tmp_path / "index")), embedder, None, EngineOptions(nprobe=2))
+    engine.start(background=False)
+    ops = MetadataFilter.parse({"team": "ops", "year": [2026, 2027]})
+    result = engine.search("doc", k=30, where=ops)
+    expected = {d.chunk_id for d in docs if d.pk % 10 == 0 and d.pk != 10} | {fresh.chunk_id}
+    assert set(ids(result)) == expected and len(expected) == 30
+    assert {r["origin"] for r in result.results} == {"index", "tail"}
+    assert all(r["metadata"]["team"] == "ops" for r in result.results)
+    assert ids(engine.search(docs[10].text, k=1, where=MetadataFilter.parse({"team": "eng"}))) == [moved.chunk_id]
+    assert engine.search("doc", k=5, where=MetadataFilter.parse({"team": "nobody"})).results == []
+    assert engine.search("doc", k=5, where=MetadataFilter.parse({"year": "2026"})).results == []  # a string is not 2026
