@@ -40,7 +40,7 @@ HANA, BOB = (f"Bearer {t}" for t in TOKENS)
 def doc_events(lsn: int, rows: list[tuple[int, str, str, str]], op: str = "c") -> Corpus:
     corpus = Corpus()
     for pk, title, body, acl in rows:
-        row = {"id": pk, "title": title, "body": body, "acl": acl}
+        row = {"id": pk, "title": title, "body": body, "acl": acl, "shelf": "food" if pk in (4, 7) else "other"}
         corpus.lines.append(_event(op, pk, None if op == "d" else row, row if op == "d" else None, lsn))
         lsn += 10
     return corpus
@@ -60,7 +60,9 @@ class Service:
 
     def ingest(self, corpus: Corpus, name: str) -> None:
         produce(self.broker, TOPIC, corpus, self.tmp / f"{name}.jsonl")
-        out = cli(*ingest_args(self.broker, TOPIC, self.lake, self.tmp / "recovery", idle=3))
+        mapping = self.tmp / "mapping.yaml"
+        mapping.write_text("default: {metadata: [shelf]}\n")
+        out = cli(*ingest_args(self.broker, TOPIC, self.lake, self.tmp / "recovery", idle=3), "--mapping", str(mapping))
         assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -249,3 +251,14 @@ def test_serve_refuses_unsafe_or_impossible_setups(service: Service, tmp_path: P
     out = cli("serve", "--lake", service.lake, "--index", service.index, "--tokens", str(tmp_path / "bad.yaml"),
               "--port", "0")  # fmt: skip
     assert out.returncode == 1 and "at least 16 characters" in out.stderr
+
+
+def test_metadata_columns_come_back_and_filter_the_search(service: Service) -> None:
+    """A mapping's metadata columns travel through the real job and index into results."""
+    r = service.search("something to eat or drink", k=5, filter={"shelf": "food"})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert {x["source"]["pk"] for x in results} == {"4", "7"}  # espresso, tomato: the only food
+    assert all(x["metadata"] == {"shelf": "food"} for x in results)
+    bad = service.search("anything", filter={"shelf": {"nested": True}})
+    assert bad.status_code == 422 and "filter" in bad.json()["error"]

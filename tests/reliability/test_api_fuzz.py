@@ -74,7 +74,7 @@ def check(case: Any) -> None:
         assert "Traceback" not in text and 'File "' not in text, text[:500]
         if response.status_code >= 400:
             assert "error" in response.json(), text[:300]
-        if not auth and case.path not in ("/healthz", "/metrics"):
+        if not auth and case.path not in ("/livez", "/readyz", "/healthz", "/metrics"):
             assert response.status_code != 200, f"{case.path} answered without a token"
 
 
@@ -96,7 +96,7 @@ def test_no_server_errors_and_no_internals_in_any_response(api: Any) -> None:
 def test_the_spec_the_fuzzer_reads_covers_every_route(api: Any) -> None:
     paths = set(api.openapi()["paths"])
     assert {"/v1/search", "/v1/answer", "/v1/lineage/answers/{answer_id}", "/v1/lineage/sources/{table}/{pk}",
-            "/v1/lineage/chunks/{chunk_id}", "/healthz", "/metrics"} <= paths, paths  # fmt: skip
+            "/v1/lineage/chunks/{chunk_id}", "/livez", "/readyz", "/healthz", "/metrics"} <= paths, paths  # fmt: skip
 
 
 def test_huge_and_malformed_bodies_are_4xx(api: Any) -> None:

@@ -115,7 +115,7 @@ def _check(engine: SearchEngine, lake: DocLake, query: str, k: int, who: Princip
     assert len(got) == len(set(got)) == min(k, visible), when
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     steps=st.lists(
         st.one_of(

@@ -95,7 +95,7 @@ def outcome(lineage: Lineage, kind: str, params: tuple[str, ...], who: Principal
         return "404"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31), n=st.integers(1, 14), groups=st.frozensets(st.sampled_from(GROUPS), max_size=2))
 def test_lineage_is_what_a_lake_without_the_hidden_versions_would_say(
     seed: int, n: int, groups: frozenset[str]
