@@ -332,6 +332,7 @@ def create_app(
         if "problems" in health:
             if caller(request) is None:  # raw errors name hosts, buckets and paths: not for strangers
                 health["problems"] = [p.split(":", 1)[0] for p in health["problems"]]
+                health.pop("tail_rows", None)  # how many chunks changed, hidden ones included
             else:
                 health["problems"] = [secrets.redact(p) for p in health["problems"]]
         return JSONResponse(health, status_code=200 if health["status"] != "starting" else 503)

@@ -493,7 +493,10 @@ class SearchEngine:
             tail_vectors = iter(tail.vectors[tail_refs]) if tail_refs else iter(())
             vectors = np.stack([next(index_vectors) if origin == "index" else next(tail_vectors)
                                 for _, origin, _ in merged])  # fmt: skip
-        return SearchResult(results, reader.manifest.version, tail.version, nprobe, tail.live.num_rows, {}, vectors)
+        # Only the tail rows this caller may see are counted: the total would tell an outsider
+        # how many hidden chunks changed since the index.
+        visible_tail = int(tail_allowed.sum()) if tail_allowed is not None else 0
+        return SearchResult(results, reader.manifest.version, tail.version, nprobe, visible_tail, {}, vectors)
 
     def _allow(
         self, tail: TailState, groups: frozenset[str], where: MetadataFilter | None = None

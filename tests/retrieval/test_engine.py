@@ -124,8 +124,11 @@ def test_acl_change_in_the_tail_hides_the_index_copy(setup) -> None:
     assert doc.chunk_id in ids(engine.search(doc.text, k=1))
     lake.write([Doc(doc.pk, doc.text, ("legal",))])  # same content, now restricted
     engine._tail.poll()
-    assert doc.chunk_id not in ids(engine.search(doc.text, k=50))
-    assert ids(engine.search(doc.text, k=1, principal=Principal("lee", frozenset({"legal"})))) == [doc.chunk_id]
+    outsider = engine.search(doc.text, k=50)
+    assert doc.chunk_id not in ids(outsider)
+    assert outsider.tail_rows == 0, "the count of changed chunks must not reveal hidden ones"
+    legal = engine.search(doc.text, k=1, principal=Principal("lee", frozenset({"legal"})))
+    assert ids(legal) == [doc.chunk_id] and legal.tail_rows == 1
 
 
 def test_new_index_version_takes_over_the_tail(setup) -> None:

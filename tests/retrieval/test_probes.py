@@ -55,7 +55,7 @@ class ReadyEngine(StubEngine):
         if not self.ready:
             return {"status": "starting"}
         problems = [self.problem] if self.problem else []
-        return {"status": "degraded" if problems else "ok", "problems": problems, "index_version": 3}
+        return {"status": "degraded" if problems else "ok", "problems": problems, "index_version": 3, "tail_rows": 5}
 
 
 async def slow_tokens(request: Request) -> StreamingResponse:
@@ -159,7 +159,7 @@ def test_health_details_are_for_authenticated_callers(api: tuple[str, ReadyEngin
     engine.problem = "lake: cannot reach http://10.1.2.3:9000/secret-bucket/lake (connection refused)"
     public = httpx.get(f"{url}/healthz").json()
     assert public["status"] == "degraded" and public["problems"] == ["lake"]
-    assert "secret-bucket" not in json.dumps(public)
+    assert "secret-bucket" not in json.dumps(public) and "tail_rows" not in public
     private = httpx.get(f"{url}/healthz", headers=AUTH).json()
-    assert "secret-bucket" in private["problems"][0]
+    assert "secret-bucket" in private["problems"][0] and private["tail_rows"] == 5
     assert httpx.get(f"{url}/healthz", headers={"Authorization": "Bearer wrong"}).json()["problems"] == ["lake"]
