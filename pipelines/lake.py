@@ -123,9 +123,15 @@ class Lake:
             table = self.table(name)
             present = set(table.schema().to_arrow().names)
             missing = [f for f in schema if f.name not in present]
-            if missing:
-                log.info("adding columns %s to the %s table", [f.name for f in missing], name)
+            if not missing:
+                continue
+            log.info("adding columns %s to the %s table", [f.name for f in missing], name)
+            try:
                 table.alter.add_columns([Field.from_arrow(f) for f in missing])
+            except Exception:  # another member of the job may have added them first
+                present = set(self.table(name).schema().to_arrow().names)
+                if any(f.name not in present for f in missing):
+                    raise
 
     def table(self, name: str, version: int | None = None) -> DeltaTable:
         try:
