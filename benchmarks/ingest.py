@@ -39,6 +39,8 @@ from confluent_kafka import Producer
 from prometheus_client import REGISTRY
 
 from pipelines.broker import ensure_topics, free_port, start_broker
+from pipelines.envelopes import Op, message
+from pipelines.envelopes import envelope as debezium_envelope
 from pipelines.flow import Runtime, build_flow
 from pipelines.lake import CHUNKS, Lake, current_chunks
 from pipelines.runner import prepare
@@ -53,15 +55,10 @@ def emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def envelope(pk: int, row: dict[str, object] | None, lsn: int, op: str = "c") -> tuple[bytes, bytes]:
-    value = {
-        "before": None,
-        "after": row,
-        "source": {"connector": "postgresql", "db": "app", "schema": "public", "table": "docs", "lsn": lsn},
-        "op": op,
-        "ts_ms": int(time.time() * 1000),
-    }
-    return json.dumps({"id": pk}).encode(), json.dumps(value).encode()
+def envelope(pk: int, row: dict[str, object] | None, lsn: int, op: Op = "c") -> tuple[bytes, bytes]:
+    key, value = message({"id": pk}, debezium_envelope(op, row, lsn=lsn))
+    assert value is not None
+    return key, value
 
 
 def produce(bootstrap: str, topic: str, messages: list[tuple[bytes, bytes]]) -> None:

@@ -21,7 +21,6 @@ Sections
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -51,6 +50,8 @@ from indexing.manifest import publish
 from indexing.snapshot import plan
 from indexing.store import LocalStore, S3Store
 from pipelines.broker import ensure_topics, free_port, start_broker
+from pipelines.envelopes import envelope as debezium_envelope
+from pipelines.envelopes import message
 from pipelines.lake import CHUNKS, Lake
 from pipelines.lake_writer import LakeWriter
 from pipelines.storage import ObjectStoreSettings
@@ -284,13 +285,13 @@ def bench_http(work: Path, seconds: float) -> None:
 
 
 def envelope(pk: int, body: str | None, lsn: int) -> tuple[bytes, bytes]:
-    row = None if body is None else {"id": pk, "title": f"Note {pk}", "body": body, "acl": []}
-    value = {
-        "before": {"id": pk} if body is None else None, "after": row,
-        "source": {"connector": "postgresql", "db": "app", "schema": "public", "table": "docs", "lsn": lsn},
-        "op": "d" if body is None else "u", "ts_ms": int(time.time() * 1000),
-    }  # fmt: skip
-    return json.dumps({"id": pk}).encode(), json.dumps(value).encode()
+    if body is None:
+        value = debezium_envelope("d", None, {"id": pk}, lsn=lsn)
+    else:
+        value = debezium_envelope("u", {"id": pk, "title": f"Note {pk}", "body": body, "acl": []}, lsn=lsn)
+    key, raw = message({"id": pk}, value)
+    assert raw is not None
+    return key, raw
 
 
 def bench_freshness(work: Path, updates: int, rate: float, store: str) -> None:

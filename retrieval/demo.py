@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from pipelines.envelopes import Op, envelope, produce_line
 from retrieval.corpus import PYDOCS, Doc, load_pydocs
 
 TOPIC = "cdc.demo.public.docs"
@@ -78,24 +79,11 @@ def heading(text: str) -> None:
     say(f"\n== {text} " + "=" * max(0, 70 - len(text)))
 
 
-def event(op: str, doc: Doc, lsn: int, acl: list[str] | None = None, before: Doc | None = None) -> str:
+def event(op: Op, doc: Doc, lsn: int, acl: list[str] | None = None) -> str:
     row = {"id": doc.id, "title": doc.title, "body": doc.body, "acl": acl or []}
-    source = {
-        "connector": "postgresql",
-        "db": "demo",
-        "schema": "public",
-        "table": "docs",
-        "lsn": lsn,
-        "ts_ms": int(time.time() * 1000),
-    }
-    value = {
-        "before": {"id": doc.id} if op == "d" else None,
-        "after": None if op == "d" else row,
-        "source": source,
-        "op": op,
-        "ts_ms": source["ts_ms"],
-    }
-    return json.dumps({"key": {"id": doc.id}, "value": value})
+    deleted = op == "d"
+    value = envelope(op, None if deleted else row, {"id": doc.id} if deleted else None, lsn=lsn, db="demo")
+    return produce_line({"id": doc.id}, value)
 
 
 @dataclass

@@ -7,6 +7,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipelines.envelopes import envelope, produce_line
+
 WORDS = (
     "kafka delta lake stream chunk vector index shard embed query lineage audit table row "
     "commit offset partition worker replica cache snapshot version schema topic broker "
@@ -43,22 +45,8 @@ class Corpus:
 
 
 def _event(op: str, pk: int, row: dict | None, before: dict | None, lsn: int, wrapped: bool = False) -> str:
-    env = {
-        "before": before,
-        "after": row,
-        "source": {
-            "connector": "postgresql",
-            "db": "app",
-            "schema": "public",
-            "table": "docs",
-            "lsn": lsn,
-            "ts_ms": 1_700_000_000_000 + lsn,
-        },
-        "op": op,
-        "ts_ms": 1_700_000_000_000 + lsn,
-    }
-    value = {"schema": {"type": "struct", "name": "envelope"}, "payload": env} if wrapped else env
-    return json.dumps({"key": {"id": pk}, "value": value})
+    value = envelope(op, row, before, lsn=lsn, ts_ms=1_700_000_000_000 + lsn, wrapped=wrapped)  # type: ignore[arg-type]
+    return produce_line({"id": pk}, value)
 
 
 MALFORMED = [

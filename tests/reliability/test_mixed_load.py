@@ -33,6 +33,7 @@ import pytest
 from confluent_kafka import Producer
 
 from pipelines.broker import ensure_topics
+from pipelines.envelopes import envelope, message
 from pipelines.flow import Runtime
 from pipelines.lake import CHUNKS, Lake
 from pipelines.settings import IngestSettings
@@ -79,12 +80,9 @@ class Stream:
 
     def send(self, op: str, pk: int, row: dict | None) -> None:  # type: ignore[type-arg]
         self.lsn += 10
-        now = int(time.time() * 1000)
-        value = {
-            "before": {"id": pk} if op == "d" else None, "after": row, "op": op, "ts_ms": now,
-            "source": {"connector": "postgresql", "schema": "public", "table": "docs", "lsn": self.lsn, "ts_ms": now},
-        }  # fmt: skip
-        self.producer.produce(TOPIC, key=json.dumps({"id": pk}).encode(), value=json.dumps(value).encode())
+        value = envelope(op, row, {"id": pk} if op == "d" else None, lsn=self.lsn)  # type: ignore[arg-type]
+        key, raw = message({"id": pk}, value)
+        self.producer.produce(TOPIC, key=key, value=raw)
         self.producer.poll(0)
         self.produced += 1
         if op == "d":
