@@ -38,9 +38,11 @@ from benchmarks.pydocs import embedded_pydocs
 from benchmarks.retrieval import pydocs_lake
 from indexing.distributed import start_ray
 from indexing.store import LocalStore
+from retrieval.acl import ANONYMOUS
 from retrieval.cache import ShardCache
 from retrieval.corpus import load_pydocs
-from retrieval.engine import ANONYMOUS, EngineOptions, SearchEngine
+from retrieval.engine import SearchEngine
+from retrieval.views import EngineOptions
 
 K = 10
 _HEADING = re.compile(r"^([=\-*^~#+\"'`.:_])\1{2,}\s*$")

@@ -55,9 +55,11 @@ from pipelines.envelopes import message
 from pipelines.lake import CHUNKS, Lake
 from pipelines.lake_writer import LakeWriter
 from pipelines.storage import ObjectStoreSettings
+from retrieval.acl import ANONYMOUS
 from retrieval.cache import ShardCache
 from retrieval.corpus import load_pydocs, section_titles
-from retrieval.engine import ANONYMOUS, EngineOptions, SearchEngine
+from retrieval.engine import SearchEngine
+from retrieval.views import EngineOptions
 from serving.embedder import Embedder, ModelIdentity
 from tests.indexing.lakes import chunk_rows
 

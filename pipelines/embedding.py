@@ -9,7 +9,6 @@ the cache holds their content.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
@@ -17,31 +16,10 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines import metrics
+from pipelines.caches import LRU
 from pipelines.lake import CHUNKS_SCHEMA, DEAD_LETTERS_SCHEMA
 from pipelines.records import ChunkVersion, DeadLetter, DocUpdate
 from serving.embedder import Embedder
-
-
-class VectorCache:
-    """content hash → vector, least recently used first out."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, np.ndarray] = OrderedDict()
-
-    def get(self, key: str) -> np.ndarray | None:
-        vec = self._items.get(key)
-        if vec is not None:
-            self._items.move_to_end(key)
-        return vec
-
-    def put(self, key: str, vec: np.ndarray) -> None:
-        if self.capacity <= 0:
-            return
-        self._items[key] = vec
-        self._items.move_to_end(key)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
 
 
 class BatchEmbedder:
@@ -50,7 +28,7 @@ class BatchEmbedder:
     def __init__(self, embedder: Embedder, cache_size: int = 50_000) -> None:
         self.embedder = embedder
         self.model = str(embedder.identity)
-        self.cache = VectorCache(cache_size)
+        self.cache: LRU[str, np.ndarray] = LRU(cache_size)  # content hash → vector
 
     def rows(self, updates: Sequence[DocUpdate]) -> pa.Table:
         versions = [v for u in updates for v in u.versions]

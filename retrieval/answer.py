@@ -21,9 +21,13 @@ from typing import Any
 import numpy as np
 
 from retrieval import metrics
+from retrieval.acl import Principal
 from retrieval.audit import AuditLog, now
-from retrieval.engine import Principal, QueryEmbedder, SearchEngine, SearchError, SearchResult
+from retrieval.engine import SearchEngine
+from retrieval.errors import SearchError
 from retrieval.filters import MetadataFilter
+from retrieval.query_embedding import QueryEmbedder
+from retrieval.results import SearchResult
 from serving.citations import Attribution, attribute, is_code, strip_markers
 from serving.generator import Generator, GeneratorError
 from serving.prompt import Source, build_messages, prompt_hash

@@ -39,9 +39,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipelines import secrets
 from retrieval import metrics
+from retrieval.acl import ANONYMOUS, Principal
 from retrieval.answer import Answerer
 from retrieval.auth import Tokens, bearer
-from retrieval.engine import ANONYMOUS, Principal, SearchEngine, SearchError
+from retrieval.engine import SearchEngine
+from retrieval.errors import SearchError
 from retrieval.filters import FilterError, MetadataFilter
 from retrieval.lineage import Lineage
 from serving.generator import GeneratorError

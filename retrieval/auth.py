@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from pipelines import secrets
-from retrieval.engine import Principal
+from retrieval.acl import Principal
 
 
 class AuthError(Exception):

@@ -112,7 +112,8 @@ def _engine(args: argparse.Namespace, tail_poll: float = 0.5, index_poll: float 
     from indexing.store import open_store
     from pipelines.lake import Lake
     from retrieval.cache import ShardCache, default_cache_dir
-    from retrieval.engine import EngineOptions, SearchEngine
+    from retrieval.engine import SearchEngine
+    from retrieval.views import EngineOptions
     from serving.embedder import load_embedder
 
     if args.nprobe is not None and args.nprobe < 1:
@@ -129,7 +130,7 @@ def _engine(args: argparse.Namespace, tail_poll: float = 0.5, index_poll: float 
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from retrieval.engine import Principal
+    from retrieval.acl import Principal
     from retrieval.filters import MetadataFilter
 
     try:
@@ -255,7 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_lineage(args: argparse.Namespace) -> int:
     from pipelines.lake import Lake
-    from retrieval.engine import Principal
+    from retrieval.acl import Principal
     from retrieval.lineage import AUDITOR, Lineage
 
     lineage = Lineage(Lake.at(args.lake, ObjectStoreSettings.from_env()))

@@ -29,8 +29,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipelines.lake import CHUNKS, Lake, LakeError, latest_rows
+from retrieval.acl import Principal, acl_mask
 from retrieval.audit import ANSWERS, AuditLog
-from retrieval.engine import Principal, SearchError, acl_mask
+from retrieval.errors import SearchError
 from retrieval.filters import parse_metadata
 
 AUDITOR = "auditor"

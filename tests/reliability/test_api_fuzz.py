@@ -23,8 +23,9 @@ from retrieval.api import create_app
 from retrieval.audit import AuditLog
 from retrieval.auth import Tokens
 from retrieval.cache import ShardCache
-from retrieval.engine import EngineOptions, SearchEngine
+from retrieval.engine import SearchEngine
 from retrieval.lineage import Lineage
+from retrieval.views import EngineOptions
 from serving.embedder import FakeEmbedder
 from serving.generator import Generator, GeneratorSettings
 from tests.retrieval.lakes import DocLake

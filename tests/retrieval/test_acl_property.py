@@ -22,7 +22,9 @@ from indexing.snapshot import plan
 from indexing.store import LocalStore
 from pipelines.lake import current_chunks, embeddings
 from pipelines.storage import ObjectStoreSettings
-from retrieval.engine import EngineOptions, Principal, SearchEngine
+from retrieval.acl import Principal
+from retrieval.engine import SearchEngine
+from retrieval.views import EngineOptions
 from serving.embedder import FakeEmbedder
 from tests.retrieval.lakes import Doc, DocLake
 

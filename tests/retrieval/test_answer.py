@@ -12,11 +12,13 @@ from deltalake import DeltaTable
 from fastapi.testclient import TestClient
 
 from pipelines.lake import Lake
+from retrieval.acl import Principal
 from retrieval.answer import NO_ANSWER, Answerer
 from retrieval.api import create_app
 from retrieval.audit import AuditLog
-from retrieval.engine import Principal, QueryEmbedder, SearchResult, lineage
 from retrieval.filters import MetadataFilter
+from retrieval.query_embedding import QueryEmbedder
+from retrieval.results import SearchResult, result_record
 from serving.embedder import FakeEmbedder
 from serving.generator import Generator, GeneratorError, GeneratorSettings
 
@@ -31,7 +33,7 @@ def result_row(i: int, text: str) -> dict[str, Any]:
     row = {"chunk_id": f"c{i}", "doc_id": f"public.docs/{i}", "title": f"T{i}", "text": text, "chunk_index": 0,
            "source_table": "public.docs", "source_pk": str(i), "position": f"pg:{i:020d}", "event_time": None,
            "kafka_topic": "t", "kafka_partition": 0, "kafka_offset": i}  # fmt: skip
-    return lineage(row, 0.9 - i / 10, 7, 3, "index")
+    return result_record(row, 0.9 - i / 10, 7, 3, "index")
 
 
 class StubEngine:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from retrieval.acl import Principal
 from retrieval.auth import AuthError, Tokens, bearer
-from retrieval.engine import Principal
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:

@@ -13,8 +13,11 @@ from indexing.manifest import publish
 from indexing.snapshot import plan
 from indexing.store import LocalStore
 from pipelines.storage import ObjectStoreSettings
+from retrieval.acl import Principal
 from retrieval.cache import ShardCache
-from retrieval.engine import EngineOptions, Principal, SearchEngine, SearchError
+from retrieval.engine import SearchEngine
+from retrieval.errors import SearchError
+from retrieval.views import EngineOptions
 from serving.embedder import FakeEmbedder
 from tests.retrieval.lakes import Doc, DocLake
 
@@ -223,7 +226,7 @@ def test_an_as_of_query_never_lends_its_filter_to_live_queries(setup, tmp_path: 
 
 
 def test_as_of_after_garbage_collection_is_a_404_naming_the_kept_versions(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import retrieval.engine
+    import retrieval.views
     from indexing.manifest import collect_garbage, versions
 
     engine, lake, docs = setup
@@ -239,7 +242,7 @@ def test_as_of_after_garbage_collection_is_a_404_naming_the_kept_versions(setup,
     # it chose gone: a 404 that says what happened and which versions are kept, not a 500.
     with monkeypatch.context() as m:
         listings = [listed_before]  # the first listing is from before the collection
-        m.setattr(retrieval.engine, "versions", lambda store: listings.pop() if listings else versions(store))
+        m.setattr(retrieval.views, "versions", lambda store: listings.pop() if listings else versions(store))
         engine._readers = type(engine._readers)(4)  # not opened yet by this replica
         with pytest.raises(SearchError, match=r"index version 1, which as_of=2 needs, has been deleted") as info:
             engine.search(doc.text, k=1, as_of=2)

@@ -25,8 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipelines.lake import CHUNKS, CHUNKS_SCHEMA, Lake
+from retrieval.acl import Principal, acl_mask
 from retrieval.audit import ANSWERS, ANSWERS_SCHEMA, ensure_answers_table
-from retrieval.engine import Principal, SearchError, acl_mask
+from retrieval.errors import SearchError
 from retrieval.lineage import Lineage
 
 GROUPS = ["a", "b", "c"]
