@@ -151,7 +151,7 @@ def bench_latency_and_citations(url: str, generator: str, questions: list[str]) 
 
 def threshold_sweep(bodies: list[dict[str, Any]], chains: list[dict[str, Any]]) -> None:
     """Coverage and precision of attribution at other similarity thresholds, same answers."""
-    from serving.embedder import SentenceTransformerEmbedder
+    from serving.st_embedder import SentenceTransformerEmbedder
 
     embedder = SentenceTransformerEmbedder(device="cpu")
     best: list[tuple[float, bool | None]] = []

@@ -45,7 +45,7 @@ from pipelines.flow import Runtime, build_flow
 from pipelines.lake import CHUNKS, Lake, current_chunks
 from pipelines.runner import prepare
 from pipelines.settings import IngestSettings
-from serving.embedder import SentenceTransformerEmbedder
+from serving.st_embedder import SentenceTransformerEmbedder
 from tests.corpus import body, paragraph
 
 TOPIC = "cdc.app.public.docs"

@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from pipelines.chunking import Chunker
 from retrieval.corpus import PYDOCS, load_pydocs
-from serving.embedder import Embedder, SentenceTransformerEmbedder
+from serving.embedder import Embedder
+from serving.st_embedder import SentenceTransformerEmbedder
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 log = logging.getLogger(__name__)

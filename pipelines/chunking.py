@@ -67,7 +67,7 @@ def is_heading(block: str) -> bool:
 class Chunker:
     """Split documents into token-bounded, edit-stable chunks.
 
-    >>> from serving.embedder import FakeEmbedder
+    >>> from serving.fake_embedder import FakeEmbedder
     >>> chunker = Chunker(FakeEmbedder().count_tokens, max_tokens=40)
     >>> [c.index for c in chunker.chunk("One paragraph.\\n\\nAnother one.")]
     [0]

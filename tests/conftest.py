@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.embedder import Embedder, FakeEmbedder
+from serving.embedder import Embedder
+from serving.fake_embedder import FakeEmbedder
 
 _STATUS: dict[str, int] = {}
 
@@ -45,7 +46,7 @@ def fake_embedder() -> FakeEmbedder:
 
 @pytest.fixture(scope="session")
 def real_embedder() -> Embedder:
-    from serving.embedder import SentenceTransformerEmbedder
+    from serving.st_embedder import SentenceTransformerEmbedder
 
     return SentenceTransformerEmbedder(device="cpu")
 

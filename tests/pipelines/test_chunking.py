@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pipelines.chunking import Chunker, is_heading
-from serving.embedder import FakeEmbedder
+from serving.fake_embedder import FakeEmbedder
 from tests.corpus import paragraph
 
 

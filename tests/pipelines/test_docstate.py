@@ -7,7 +7,7 @@ import pytest
 from pipelines.chunking import Chunker
 from pipelines.docstate import apply_change
 from pipelines.records import ChangeEvent, KafkaCoordinates
-from serving.embedder import FakeEmbedder
+from serving.fake_embedder import FakeEmbedder
 from tests.corpus import paragraph
 
 

@@ -17,7 +17,7 @@ from pipelines.kafka_io import read_jsonl_messages
 from pipelines.lake import DEAD_LETTERS, Lake
 from pipelines.runner import prepare
 from pipelines.settings import IngestSettings
-from serving.embedder import FakeEmbedder
+from serving.fake_embedder import FakeEmbedder
 from tests.corpus import make_corpus
 from tests.oracle import assert_lake_matches
 

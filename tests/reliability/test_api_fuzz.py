@@ -26,7 +26,7 @@ from retrieval.cache import ShardCache
 from retrieval.engine import SearchEngine
 from retrieval.lineage import Lineage
 from retrieval.views import EngineOptions
-from serving.embedder import FakeEmbedder
+from serving.fake_embedder import FakeEmbedder
 from serving.generator import Generator, GeneratorSettings
 from tests.retrieval.lakes import DocLake
 from tests.retrieval.test_engine import build, corpus

@@ -25,7 +25,7 @@ from pipelines.storage import ObjectStoreSettings
 from retrieval.acl import Principal
 from retrieval.engine import SearchEngine
 from retrieval.views import EngineOptions
-from serving.embedder import FakeEmbedder
+from serving.fake_embedder import FakeEmbedder
 from tests.retrieval.lakes import Doc, DocLake
 
 GROUPS = ["a", "b", "c", "d", "e"]

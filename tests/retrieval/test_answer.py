@@ -19,7 +19,7 @@ from retrieval.audit import AuditLog
 from retrieval.filters import MetadataFilter
 from retrieval.query_embedding import QueryEmbedder
 from retrieval.results import SearchResult, result_record
-from serving.embedder import FakeEmbedder
+from serving.fake_embedder import FakeEmbedder
 from serving.generator import Generator, GeneratorError, GeneratorSettings
 
 TEXTS = [

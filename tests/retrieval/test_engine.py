@@ -18,7 +18,7 @@ from retrieval.cache import ShardCache
 from retrieval.engine import SearchEngine
 from retrieval.errors import SearchError
 from retrieval.views import EngineOptions
-from serving.embedder import FakeEmbedder
+from serving.fake_embedder import FakeEmbedder
 from tests.retrieval.lakes import Doc, DocLake
 
 OPTS = BuildOptions(nlist=16, iterations=5, shard_bytes=8_000, progress=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from serving.citations import attribute, is_code, markers, split_blocks, split_sentences, strip_markers
-from serving.embedder import FakeEmbedder
+from serving.fake_embedder import FakeEmbedder
 from serving.prompt import INSTRUCTIONS, Source, build_messages, prompt_hash
 
 SOURCES = [

@@ -3,13 +3,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving.embedder import (
-    EmbedderError,
-    FakeEmbedder,
-    ModelIdentity,
-    _token_batches,
-    resolve_model,
-)
+from serving.embedder import EmbedderError, ModelIdentity, _token_batches
+from serving.fake_embedder import FakeEmbedder
+from serving.models import resolve_model
 
 
 def test_identity_round_trips_through_its_string() -> None:

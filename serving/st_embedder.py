@@ -1,0 +1,68 @@
+"""The sentence-transformers backend: a local model directory, loaded offline."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from serving.devices import pick_device, torch_dtype
+from serving.embedder import Embedder, EmbedderError, ModelIdentity, Vectors
+from serving.memory import release_freed_memory
+from serving.models import resolve_model, weights_hash
+
+log = logging.getLogger(__name__)
+
+
+class SentenceTransformerEmbedder(Embedder):
+    """sentence-transformers backend, loaded offline from a local directory."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "auto",
+        token_budget: int = 8192,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__(token_budget)
+        # Offline by construction: a model id that is not a directory was rejected above,
+        # and these keep transformers from probing a hub for the ones we load.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        from sentence_transformers import SentenceTransformer
+
+        name, path = resolve_model(model)
+        self.device, default_dtype = pick_device(device)
+        self.dtype = torch_dtype(dtype) or default_dtype
+        self._model = SentenceTransformer(str(path), device=self.device, model_kwargs={"dtype": self.dtype})
+        self.max_tokens = int(self._model.max_seq_length or 256)
+        dim = self._model.get_embedding_dimension()
+        if dim is None:
+            raise EmbedderError(f"model at {path} does not report an embedding dimension.")
+        self._identity = ModelIdentity(name, int(dim), weights_hash(path))
+        self._tokenizer = self._model.tokenizer
+        log.info("embedder %s on %s (%s)", self._identity, self.device, self.dtype)
+
+    @property
+    def identity(self) -> ModelIdentity:
+        return self._identity
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        if not texts:
+            return []
+        encoded = self._tokenizer(list(texts), add_special_tokens=True, truncation=False)
+        return [len(ids) for ids in encoded["input_ids"]]
+
+    def embed_batch(self, texts: Sequence[str]) -> Vectors:
+        vectors = self._model.encode(
+            list(texts),
+            batch_size=len(texts),
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
+        release_freed_memory()
+        return np.asarray(vectors, dtype=np.float32)
