@@ -34,8 +34,9 @@ test: venv
 test-reliability: venv
 	$(PY) -m pytest -q -ra -rP --durations=10 -m reliability $(PYTEST_ARGS)  # -rP: the load figures
 
+# Fast feedback: no real broker, model, CLI subprocess or Ray (about a minute on 2 cores).
 test-unit: venv
-	$(PY) -m pytest -q -m "not integration and not reliability" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not integration and not reliability and not ray" $(PYTEST_ARGS)
 
 test-integration: venv
 	$(PY) -m pytest -q -m "integration and not reliability" $(PYTEST_ARGS)

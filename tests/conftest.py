@@ -25,6 +25,15 @@ _EVENTS = Path(tempfile.gettempdir()) / "streamrag-test-openlineage.jsonl"
 os.environ.setdefault("STREAMRAG_OPENLINEAGE", f"file:{_EVENTS}")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Tests that start local Ray (≈4 s and 0.75 GB once per session) are marked, so that
+    # `make test-unit` can leave them out; integration tests (real broker, CLI subprocesses,
+    # the real model) carry the integration marker in their modules.
+    for item in items:
+        if "ray_local" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _STATUS["status"] = int(exitstatus)
 
