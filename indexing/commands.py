@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from indexing.manifest import DEFAULT_GC_GRACE_S, latest_version
+from indexing.settings import IndexBuildSettings
 from pipelines.commands import add_openlineage_arg
+from pipelines.settings import from_args
 from pipelines.storage import ObjectStoreSettings
 
 log = logging.getLogger(__name__)
@@ -22,24 +24,31 @@ log = logging.getLogger(__name__)
 def add_commands(sub: Any) -> None:
     index = sub.add_parser("index", help="build IVF vector indexes from the lake")
     isub = index.add_subparsers(dest="index_command", required=True)
-    p = isub.add_parser("build", help="snapshot the lake, train k-means on Ray, publish IVF shards")
-    p.add_argument("--lake", required=True, metavar="URI")
-    p.add_argument("--index", required=True, metavar="URI", help="index store: path, file:// or s3://")
+    p = isub.add_parser(
+        "build",
+        help="snapshot the lake, train k-means on Ray, publish IVF shards",
+        description="Every option can also be set as a variable STREAMRAG_INDEX_BUILD_<OPTION> "
+        "(STREAMRAG_INDEX_BUILD_KEEP=5); flags win.",
+    )
+    p.add_argument("--lake", metavar="URI", help="the lake (required)")
+    p.add_argument("--index", metavar="URI", help="index store: path, file:// or s3:// (required)")
     p.add_argument("--nlist", type=int, help="IVF lists (default about 4*sqrt(N))")
     p.add_argument("--lake-version", type=int, help="Delta version to index (default latest)")
     p.add_argument("--ray-address", help="join a Ray cluster (default: local Ray on this machine's cores)")
-    p.add_argument("--iterations", type=int, default=20, help="k-means iterations at most (20)")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--shard-mb", type=float, default=64.0, help="target shard size in MB (64)")
+    p.add_argument("--iterations", type=int, help="k-means iterations at most (20)")
+    p.add_argument("--seed", type=int, help="(1234)")
+    p.add_argument("--shard-mb", type=float, help="target shard size in MB (64)")
     p.add_argument(
-        "--reuse-centroids", action="store_true", help="assign to the last build's centroids unless they drifted"
+        "--reuse-centroids",
+        action="store_true",
+        default=None,
+        help="assign to the last build's centroids unless they drifted",
     )
-    p.add_argument("--drift-threshold", type=float, default=0.10, help="retrain above this quantization-error growth")
+    p.add_argument("--drift-threshold", type=float, help="retrain above this quantization-error growth (0.10)")
     p.add_argument("--keep", type=int, help="keep only the newest N versions (after --gc-grace)")
     p.add_argument(
         "--gc-grace",
         type=float,
-        default=DEFAULT_GC_GRACE_S,
         metavar="SECONDS",
         help="with --keep: delete a version only this long after a newer one replaced it, so replicas still "
         f"serving it and as_of requests on it finish first ({DEFAULT_GC_GRACE_S:.0f})",
@@ -48,7 +57,6 @@ def add_commands(sub: Any) -> None:
     p.add_argument(
         "--store-patience",
         type=float,
-        default=300.0,
         metavar="SECONDS",
         help="once a build has started, retry an unreachable index store this long before failing (300)",
     )
@@ -71,10 +79,9 @@ def _short_temp_dir() -> str:
 
 
 def cmd_index_build(args: argparse.Namespace) -> int:
-    if args.every is None:
-        return _build_once(args)
-    if args.every <= 0:
-        raise ValueError("--every must be a positive number of seconds.")
+    config = from_args(IndexBuildSettings, args)
+    if config.every is None:
+        return _build_once(config, args.json)
     from indexing.manifest import load_manifest
     from indexing.store import open_store
     from pipelines.lake import CHUNKS, Lake
@@ -83,36 +90,36 @@ def cmd_index_build(args: argparse.Namespace) -> int:
     built_from: int | None = None
     while True:
         try:
-            store = open_store(args.index, settings)
+            store = open_store(config.index, settings)
             newest = latest_version(store)
             if built_from is None and newest is not None:
                 built_from = load_manifest(store, newest).lake_version
-            lake_version = Lake.at(args.lake, settings).table(CHUNKS).version()
+            lake_version = Lake.at(config.lake, settings).table(CHUNKS).version()
             if built_from is None or lake_version > built_from:
-                _build_once(args)
+                _build_once(config, args.json)
                 built_from = lake_version
             else:
-                log.info("lake unchanged since version %d; next check in %.0f s", lake_version, args.every)
+                log.info("lake unchanged since version %d; next check in %.0f s", lake_version, config.every)
         except Exception as exc:  # noqa: BLE001 - keep going: the next round may succeed
-            log.error("index build failed (retrying in %.0f s): %s", args.every, exc)
-        time.sleep(args.every)
+            log.error("index build failed (retrying in %.0f s): %s", config.every, exc)
+        time.sleep(config.every)
 
 
-def _build_once(args: argparse.Namespace) -> int:
+def _build_once(config: IndexBuildSettings, as_json: bool) -> int:
     from pipelines.openlineage import LineageRun, storage
     from pipelines.storage import join
 
-    run = LineageRun("index_build", args.openlineage)
-    inputs, outputs = [storage(join(args.lake, "chunks"))], [storage(args.index)]
+    run = LineageRun("index_build", config.openlineage)
+    inputs, outputs = [storage(join(config.lake, "chunks"))], [storage(config.index)]
     run.start(inputs, outputs)
     try:
-        summary = _build(args)
+        summary = _build(config)
     except BaseException as exc:
         run.fail(inputs, outputs, exc)
         raise
-    inputs = [storage(join(args.lake, "chunks"), str(summary["lake_version"]))]
-    run.complete(inputs, [storage(args.index, str(summary["version"]))])
-    if args.json:
+    inputs = [storage(join(config.lake, "chunks"), str(summary["lake_version"]))]
+    run.complete(inputs, [storage(config.index, str(summary["version"]))])
+    if as_json:
         print(json.dumps(summary))
     else:
         print(
@@ -122,7 +129,7 @@ def _build_once(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build(args: argparse.Namespace) -> dict[str, Any]:
+def _build(config: IndexBuildSettings) -> dict[str, Any]:
     from indexing.distributed import start_ray
     from indexing.ivf import BuildOptions, build_index
     from indexing.manifest import collect_garbage, latest_version, publish
@@ -131,26 +138,26 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
     from pipelines.lake import Lake
 
     settings = ObjectStoreSettings.from_env()
-    lake = Lake.at(args.lake, settings)
-    previous = latest_version(open_store(args.index, settings))  # fails fast, before any work, when unreachable
+    lake = Lake.at(config.lake, settings)
+    previous = latest_version(open_store(config.index, settings))  # fails fast, before any work, when unreachable
     # From here on an outage is most likely passing: every store operation rides it out.
-    settings = dataclasses.replace(settings, patience_s=args.store_patience)
-    store = open_store(args.index, settings)
-    snap = plan(lake, args.lake_version)
+    settings = dataclasses.replace(settings, patience_s=config.store_patience)
+    store = open_store(config.index, settings)
+    snap = plan(lake, config.lake_version)
     log.info(
         "lake %s version %d: %d live chunks of %s; index store at version %s",
         lake.uri, snap.version, snap.count, snap.model, previous,
     )  # fmt: skip
     opts = BuildOptions(
-        nlist=args.nlist,
-        iterations=args.iterations,
-        seed=args.seed,
-        shard_bytes=int(args.shard_mb * (1 << 20)),
-        reuse_centroids=args.reuse_centroids,
-        drift_threshold=args.drift_threshold,
+        nlist=config.nlist,
+        iterations=config.iterations,
+        seed=config.seed,
+        shard_bytes=int(config.shard_mb * (1 << 20)),
+        reuse_centroids=config.reuse_centroids,
+        drift_threshold=config.drift_threshold,
     )
     with tempfile.TemporaryDirectory(prefix="srray-", dir=_short_temp_dir()) as tmp:
-        start_ray(args.ray_address, Path(tmp))
+        start_ray(config.ray_address, Path(tmp))
         try:
             manifest = build_index(snap, store.root, settings, opts)
         finally:
@@ -158,7 +165,7 @@ def _build(args: argparse.Namespace) -> dict[str, Any]:
 
             ray.shutdown()
     version = publish(store, manifest)
-    deleted = collect_garbage(store, args.keep, args.gc_grace) if args.keep else []
+    deleted = collect_garbage(store, config.keep, config.gc_grace) if config.keep else []
     summary = {
         "version": version, "lake_version": snap.version, "count": manifest.count, "nlist": manifest.nlist,
         "shards": len(manifest.shards), "model": manifest.model, "deleted_versions": deleted,

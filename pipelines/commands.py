@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from pipelines.secrets import kafka_config
 from pipelines.storage import ObjectStoreSettings
 
@@ -37,7 +35,7 @@ def add_commands(sub: Any) -> None:
     add_kafka_config_arg(p)
     p.add_argument("--lake", required=True, metavar="URI", help="path, file:// or s3://bucket/prefix")
     p.add_argument("--recovery-dir", metavar="DIR", help="local directory for resume state")
-    p.add_argument("--workers", type=int, default=1, help="processes on this machine (default 1)")
+    p.add_argument("--workers", type=int, help="processes on this machine (default 1)")
     p.add_argument(
         "--until-idle",
         type=float,
@@ -47,8 +45,8 @@ def add_commands(sub: Any) -> None:
     )
     p.add_argument("--mapping", dest="mapping_file", metavar="FILE", help="table → document mapping (YAML/JSON)")
     p.add_argument("--model", help="embedding model directory (default: bundled all-MiniLM-L6-v2)")
-    p.add_argument("--device", default="auto", help="auto (CUDA fp16 when present), cpu or cuda")
-    p.add_argument("--dtype", default="auto", help="auto, fp32, bf16 (faster on AVX512-BF16 CPUs) or fp16")
+    p.add_argument("--device", help="auto (default: CUDA fp16 when present), cpu or cuda")
+    p.add_argument("--dtype", help="auto (default), fp32, bf16 (faster on AVX512-BF16 CPUs) or fp16")
     p.add_argument("--writers", type=int, help="lake writers (fixed when the lake is created; default 2)")
     p.add_argument("--job-name", help="names this job's lake writers (default 'ingest')")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (process i uses port + i)")
@@ -125,26 +123,21 @@ def cmd_produce(args: argparse.Namespace) -> int:
 def cmd_ingest(args: argparse.Namespace) -> int:
     from pipelines.openlineage import LineageRun, kafka_topic, storage
     from pipelines.runner import run_ingest, run_member
-    from pipelines.settings import IngestSettings
+    from pipelines.settings import IngestSettings, from_args
     from pipelines.storage import join
 
     store = ObjectStoreSettings.from_env()
-    cli_only = ("func", "command", "verbose", "openlineage", "process_id", "addresses", "kafka_config")
-    given = {k: v for k, v in vars(args).items() if k not in cli_only and v is not None}
-    try:
-        settings = IngestSettings(
-            **given,
-            kafka_config=kafka_config(args.kafka_config),
-            s3_endpoint_url=store.endpoint_url,
-            s3_access_key_id=store.access_key_id,
-            s3_secret_access_key=store.secret_access_key,
-            s3_session_token=store.session_token,
-            s3_region=store.region,
-        )
-    except ValidationError as exc:
-        for err in exc.errors():
-            print(f"error: --{'-'.join(str(p) for p in err['loc'])}: {err['msg']}", file=sys.stderr)
-        return 2
+    settings = from_args(
+        IngestSettings,
+        args,
+        cli_only=("openlineage", "process_id", "addresses", "kafka_config"),
+        kafka_config=kafka_config(args.kafka_config),
+        s3_endpoint_url=store.endpoint_url,
+        s3_access_key_id=store.access_key_id,
+        s3_secret_access_key=store.secret_access_key,
+        s3_session_token=store.session_token,
+        s3_region=store.region,
+    )
     run = LineageRun(f"ingest.{settings.job_name}", args.openlineage, processing="STREAMING")
     inputs = [kafka_topic(settings.bootstrap, t) for t in settings.topics]
     outputs = [storage(join(settings.lake, "chunks")), storage(join(settings.lake, "dead_letters"))]

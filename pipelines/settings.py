@@ -1,8 +1,19 @@
-"""Settings of the streaming job: one object, validated at start-up, passed down."""
+"""Settings: one object per command, validated at start-up, passed down.
+
+Every command is configured the same way (``IngestSettings`` here; ``IndexBuildSettings``
+in ``indexing.settings``; ``ServeSettings`` and ``SearchSettings`` in
+``retrieval.settings``): a pydantic-settings model whose fields are the command's options,
+read from its flags first, then from ``STREAMRAG_<COMMAND>_<OPTION>`` variables, then the
+defaults. :func:`from_args` builds one from parsed flags and says which flag is wrong.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+import argparse
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipelines.storage import ObjectStoreSettings
@@ -60,3 +71,24 @@ class IngestSettings(BaseSettings):
             self.s3_session_token,
             self.s3_region,
         )
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+#: parsed-flag names that are never settings (argparse's own, output formats)
+_NOT_SETTINGS = {"func", "command", "verbose", "json"}
+
+
+class SettingsError(ValueError):
+    """Settings that do not validate; the message names each flag and what is wrong."""
+
+
+def from_args(cls: type[S], args: argparse.Namespace, cli_only: Iterable[str] = (), **extra: Any) -> S:
+    """``cls`` from the flags given (None = not given: the variable or default applies)."""
+    skip = _NOT_SETTINGS | set(cli_only)
+    given = {k: v for k, v in vars(args).items() if k not in skip and not k.endswith("_command") and v is not None}
+    try:
+        return cls(**given, **extra)
+    except ValidationError as exc:
+        problems = [f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}" for e in exc.errors()]
+        raise SettingsError("; ".join(problems)) from exc

@@ -10,6 +10,7 @@ import sys
 from indexing.commands import add_commands as add_index_commands
 from pipelines import secrets
 from pipelines.commands import add_commands as add_pipeline_commands
+from pipelines.settings import SettingsError
 from retrieval.commands import add_commands as add_retrieval_commands
 from retrieval.demo import add_command as add_demo_command
 
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
         status = args.func(args)
     except KeyboardInterrupt:
         status = 130
+    except SettingsError as exc:  # a usage error, as argparse's own
+        print(secrets.redact(f"error: {exc}"), file=sys.stderr)
+        status = 2
     except Exception as exc:
         logging.getLogger("streamrag").debug("failed", exc_info=True)
         print(secrets.redact(f"error: {exc}"), file=sys.stderr)

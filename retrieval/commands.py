@@ -6,14 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from pipelines.settings import from_args
 from pipelines.storage import ObjectStoreSettings
+from retrieval.settings import EngineSettings, SearchSettings, ServeSettings
 from serving.process import bind_error
 
 log = logging.getLogger(__name__)
@@ -22,48 +23,55 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lake", required=True, metavar="URI")
-    p.add_argument("--index", required=True, metavar="URI")
+    p.add_argument("--lake", metavar="URI", help="the lake (required)")
+    p.add_argument("--index", metavar="URI", help="the index store (required)")
     p.add_argument("--model", help="query embedder: the index's model directory (default: bundled all-MiniLM-L6-v2)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", help="auto (default), cpu or cuda")
     p.add_argument("--nprobe", type=int, help="IVF lists probed per query (default 16%% of the lists, 32 to 128)")
     p.add_argument("--cache-dir", type=Path, help="disk cache for shards (default ~/.cache/streamrag/shards)")
-    p.add_argument("--cache-memory-mb", type=int, default=2048, help="shards held in memory (2048 MB)")
-    p.add_argument("--cache-disk-mb", type=int, default=20480, help="shard files kept on disk (20480 MB)")
+    p.add_argument("--cache-memory-mb", type=int, help="shards held in memory (2048 MB)")
+    p.add_argument("--cache-disk-mb", type=int, help="shard files kept on disk (20480 MB)")
+
+
+def _env_help(command: str) -> str:
+    return (f"Every option can also be set as a variable STREAMRAG_{command.upper()}_<OPTION> "
+            f"(STREAMRAG_{command.upper()}_NPROBE=64); flags win.")  # fmt: skip
 
 
 def add_commands(sub: Any) -> None:
-    p = sub.add_parser("serve", help="serve the retrieval HTTP API")
+    p = sub.add_parser("serve", help="serve the retrieval HTTP API", description=_env_help("serve"))
     _engine_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", help="listen address (127.0.0.1)")
+    p.add_argument("--port", type=int, help="(8000)")
     p.add_argument("--tokens", type=Path, metavar="FILE", help="bearer tokens → principal and groups (YAML/JSON)")
     p.add_argument(
         "--rate-limit",
         type=float,
-        default=0.0,
         metavar="PER_S",
         help="requests/s per principal, bursts of twice that, 429 beyond (default 0: off; set it when exposed)",
     )
-    p.add_argument("--tail-poll", type=float, default=0.5, help="seconds between polls of the lake (0.5)")
-    p.add_argument("--index-poll", type=float, default=5.0, help="seconds between checks for a new index (5)")
+    p.add_argument("--tail-poll", type=float, help="seconds between polls of the lake (0.5)")
+    p.add_argument("--index-poll", type=float, help="seconds between checks for a new index (5)")
     p.add_argument(
         "--generator-url",
         metavar="URL",
-        default=os.environ.get("STREAMRAG_GENERATOR_URL") or None,
         help="OpenAI-compatible API for answers, e.g. http://vllm:8000/v1 "
         "(default $STREAMRAG_GENERATOR_URL, else the embedded SmolLM2 server)",
     )
     p.add_argument(
         "--generator-model",
-        default=os.environ.get("STREAMRAG_GENERATOR_MODEL") or None,
         help="model name to ask for (default $STREAMRAG_GENERATOR_MODEL, else the first one /v1/models lists)",
     )
-    p.add_argument("--max-tokens", type=int, default=256, help="longest answer in tokens (256)")
+    p.add_argument("--max-tokens", type=int, help="longest answer in tokens (256)")
     p.add_argument("--generator-threads", type=int, help="CPU threads of the embedded generator (half the cores)")
-    p.add_argument("--no-answers", action="store_true", help="serve search and lineage only (no generator)")
     p.add_argument(
-        "--no-audit", action="store_true", help="do not record answers in the lake's audit table (benchmarks only)"
+        "--no-answers", action="store_true", default=None, help="serve search and lineage only (no generator)"
+    )
+    p.add_argument(
+        "--no-audit",
+        action="store_true",
+        default=None,
+        help="do not record answers in the lake's audit table (benchmarks only)",
     )
     p.add_argument(
         "--audit-dead-letters",
@@ -93,11 +101,13 @@ def add_commands(sub: Any) -> None:
         q.add_argument("--json", action="store_true")
         q.set_defaults(func=cmd_lineage)
 
-    p = sub.add_parser("search", help="search from the command line (same engine as the API)")
+    p = sub.add_parser(
+        "search", help="search from the command line (same engine as the API)", description=_env_help("search")
+    )
     p.add_argument("query")
     _engine_args(p)
-    p.add_argument("-k", type=int, default=10)
-    p.add_argument("--groups", default="", help="comma-separated groups of the caller (default: public only)")
+    p.add_argument("-k", type=int, help="(10)")
+    p.add_argument("--groups", help="comma-separated groups of the caller (default: public only)")
     p.add_argument("--as-of", type=int, help="answer as of this lake version")
     p.add_argument(
         "--filter",
@@ -108,7 +118,7 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_search)
 
 
-def _engine(args: argparse.Namespace, tail_poll: float = 0.5, index_poll: float = 5.0) -> Any:
+def _engine(config: EngineSettings) -> Any:
     from indexing.store import open_store
     from pipelines.lake import Lake
     from retrieval.cache import ShardCache, default_cache_dir
@@ -116,31 +126,29 @@ def _engine(args: argparse.Namespace, tail_poll: float = 0.5, index_poll: float 
     from retrieval.views import EngineOptions
     from serving.embedder import load_embedder
 
-    if args.nprobe is not None and args.nprobe < 1:
-        raise ValueError("--nprobe must be at least 1.")
     settings = ObjectStoreSettings.from_env()
-    cache = ShardCache(
-        args.cache_dir or default_cache_dir(), args.cache_memory_mb << 20, args.cache_disk_mb << 20
-    )  # fmt: skip
+    memory = config.cache_memory_mb << 20
+    cache = ShardCache(config.cache_dir or default_cache_dir(), memory, config.cache_disk_mb << 20)
     options = EngineOptions(
-        nprobe=args.nprobe, tail_poll_s=tail_poll, index_poll_s=index_poll, prefetch_bytes=args.cache_memory_mb << 20
+        nprobe=config.nprobe, tail_poll_s=config.tail_poll, index_poll_s=config.index_poll, prefetch_bytes=memory
     )
-    embedder = load_embedder(args.model, device=args.device)
-    return SearchEngine(Lake.at(args.lake, settings), open_store(args.index, settings), embedder, cache, options)
+    embedder = load_embedder(config.model, device=config.device)
+    return SearchEngine(Lake.at(config.lake, settings), open_store(config.index, settings), embedder, cache, options)
 
 
 def cmd_search(args: argparse.Namespace) -> int:
     from retrieval.acl import Principal
     from retrieval.filters import MetadataFilter
 
+    config = from_args(SearchSettings, args)
     try:
-        where = MetadataFilter.parse(json.loads(args.filter)) if args.filter else None
+        where = MetadataFilter.parse(json.loads(config.filter)) if config.filter else None
     except ValueError as exc:  # FilterError and JSONDecodeError
         raise ValueError(f"--filter: {exc}") from exc
-    engine = _engine(args)
+    engine = _engine(config)
     engine.start(background=False)
-    groups = frozenset(g.strip() for g in args.groups.split(",") if g.strip())
-    result = engine.search(args.query, args.k, Principal("cli", groups), args.as_of, where=where)
+    groups = frozenset(g.strip() for g in config.groups.split(",") if g.strip())
+    result = engine.search(config.query, config.k, Principal("cli", groups), config.as_of, where=where)
     if args.json:
         print(json.dumps({"results": result.results, "index_version": result.index_version,
                           "lake_version": result.lake_version}))  # fmt: skip
@@ -168,34 +176,34 @@ def _load_in_background(engine: Any, stop: threading.Event) -> None:
         stop.wait(5)
 
 
-def _answers(args: argparse.Namespace, engine: Any, stack: Any) -> Any:
+def _answers(config: ServeSettings, engine: Any, stack: Any) -> Any:
     """The answerer (generator client + audit log), or None with --no-answers."""
     from retrieval.answer import Answerer
     from retrieval.audit import AuditLog
     from serving.generator import Generator, GeneratorSettings
     from serving.local_generator import EmbeddedGenerator
 
-    if args.no_answers:
+    if config.no_answers:
         return None
     identity = None
-    url = args.generator_url
+    url = config.generator_url
     if url is None:
-        embedded = EmbeddedGenerator(threads=args.generator_threads)
+        embedded = EmbeddedGenerator(threads=config.generator_threads)
         log.info("starting the embedded generator (%s); use --generator-url for vLLM", embedded.model.name)
         url = embedded.start()
         stack.callback(embedded.stop)
         identity = embedded.identity
     settings = GeneratorSettings(
-        url, model=args.generator_model, api_key=os.environ.get("STREAMRAG_GENERATOR_API_KEY"),
-        max_tokens=args.max_tokens,
+        url, model=config.generator_model, api_key=config.generator_api_key,
+        max_tokens=config.max_tokens,
     )  # fmt: skip
     generator = Generator(settings)
     stack.callback(generator.close)
     audit = None
-    if args.no_audit:
+    if config.no_audit:
         log.warning("the audit log is off (--no-audit): answers will not be traceable")
     else:
-        audit = AuditLog(engine.lake, dead_letter_path=args.audit_dead_letters)
+        audit = AuditLog(engine.lake, dead_letter_path=config.audit_dead_letters)
         audit.start()
         stack.callback(audit.stop)  # drains: no audit record lost on a graceful stop
     return Answerer(engine, generator, audit, identity)
@@ -210,32 +218,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from retrieval.auth import Tokens
     from retrieval.lineage import Lineage
 
-    problem = bind_error(args.host, args.port)
+    config = from_args(ServeSettings, args)
+    problem = bind_error(config.host, config.port)
     if problem is not None:
-        raise ValueError(f"cannot listen on {args.host}:{args.port} ({problem.strerror}); pick another --port.")
-    tokens = Tokens.load(args.tokens) if args.tokens else None
-    if tokens is None and args.host not in LOOPBACK:
-        raise ValueError(f"refusing to listen on {args.host} without --tokens: anyone could search. "
+        raise ValueError(f"cannot listen on {config.host}:{config.port} ({problem.strerror}); pick another --port.")
+    tokens = Tokens.load(config.tokens) if config.tokens else None
+    if tokens is None and config.host not in LOOPBACK:
+        raise ValueError(f"refusing to listen on {config.host} without --tokens: anyone could search. "
                          "Give --tokens FILE, or serve on 127.0.0.1.")  # fmt: skip
     if tokens is None:
         log.warning("authentication is off (no --tokens): every caller is 'anonymous' and sees public documents only")
     else:
         log.info("authentication on: %d tokens", len(tokens))
-    if args.max_tokens < 1:
-        raise ValueError("--max-tokens must be at least 1.")
-    engine = _engine(args, args.tail_poll, args.index_poll)
+    engine = _engine(config)
     with contextlib.ExitStack() as stack:
-        answerer = _answers(args, engine, stack)
+        answerer = _answers(config, engine, stack)
         stop = threading.Event()
         loader = threading.Thread(target=_load_in_background, args=(engine, stop), name="engine-loader", daemon=True)
         loader.start()
         audit = answerer.audit if answerer is not None else None
-        app = create_app(engine, tokens, answerer, Lineage(engine.lake, audit), args.rate_limit or None)
+        app = create_app(engine, tokens, answerer, Lineage(engine.lake, audit), config.rate_limit or None)
         # log_config=None: uvicorn's records go through our (redacting) handlers.
-        config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="warning", access_log=False, log_config=None
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app, host=config.host, port=config.port, log_level="warning", access_log=False, log_config=None
+            )
         )
-        server = uvicorn.Server(config)
 
         def on_signal(_signum: int, _frame: object) -> None:
             server.should_exit = True

@@ -1,0 +1,69 @@
+"""``streamrag serve`` and ``streamrag search`` settings.
+
+Flags first, then ``STREAMRAG_SERVE_<OPTION>`` / ``STREAMRAG_SEARCH_<OPTION>`` variables,
+then the defaults. The generator's URL, model and API key also keep their established
+names (``STREAMRAG_GENERATOR_URL``, ``STREAMRAG_GENERATOR_MODEL``,
+``STREAMRAG_GENERATOR_API_KEY``), which deployments set.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class EngineSettings(BaseSettings):
+    """What every command that searches needs: the lake, the index and how to read them."""
+
+    model_config = SettingsConfigDict(frozen=True, populate_by_name=True)
+
+    lake: str = Field(description="the lake: path, file:// or s3://")
+    index: str = Field(description="the index store: path, file:// or s3://")
+    model: str | None = Field(None, description="query embedder: the index's model directory")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    nprobe: int | None = Field(None, ge=1, description="IVF lists probed per query (default 16%, 32-128)")
+    cache_dir: Path | None = Field(None, description="disk cache for shards (~/.cache/streamrag/shards)")
+    cache_memory_mb: int = Field(2048, ge=1)
+    cache_disk_mb: int = Field(20480, ge=1)
+    tail_poll: float = Field(0.5, gt=0, description="seconds between polls of the lake")
+    index_poll: float = Field(5.0, gt=0, description="seconds between checks for a new index version")
+
+
+class ServeSettings(EngineSettings):
+    model_config = SettingsConfigDict(env_prefix="STREAMRAG_SERVE_", frozen=True, populate_by_name=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    tokens: Path | None = Field(None, description="bearer tokens → principal and groups (YAML/JSON)")
+    rate_limit: float = Field(0.0, ge=0, description="requests/s per principal (0: off)")
+    generator_url: str | None = Field(
+        None, validation_alias=AliasChoices("generator_url", "STREAMRAG_SERVE_GENERATOR_URL", "STREAMRAG_GENERATOR_URL")
+    )
+    generator_model: str | None = Field(
+        None,
+        validation_alias=AliasChoices(
+            "generator_model", "STREAMRAG_SERVE_GENERATOR_MODEL", "STREAMRAG_GENERATOR_MODEL"
+        ),
+    )
+    generator_api_key: str | None = Field(  # from the environment only: never a flag
+        None,
+        repr=False,
+        validation_alias=AliasChoices("STREAMRAG_SERVE_GENERATOR_API_KEY", "STREAMRAG_GENERATOR_API_KEY"),
+    )
+    max_tokens: int = Field(256, ge=1, description="longest answer in tokens")
+    generator_threads: int | None = Field(None, ge=1, description="CPU threads of the embedded generator")
+    no_answers: bool = False
+    no_audit: bool = False
+    audit_dead_letters: Path | None = None
+
+
+class SearchSettings(EngineSettings):
+    model_config = SettingsConfigDict(env_prefix="STREAMRAG_SEARCH_", frozen=True, populate_by_name=True)
+
+    query: str = Field(min_length=1)
+    k: int = Field(10, ge=1, le=100)
+    groups: str = ""
+    as_of: int | None = Field(None, ge=0)
+    filter: str | None = Field(None, description="metadata filter as JSON")
