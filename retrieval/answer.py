@@ -27,7 +27,7 @@ from retrieval.engine import SearchEngine
 from retrieval.errors import SearchError
 from retrieval.filters import MetadataFilter
 from retrieval.query_embedding import QueryEmbedder
-from retrieval.results import SearchResult
+from retrieval.results import SearchResult, SourceRef
 from serving.citations import Attribution, attribute, is_code, strip_markers
 from serving.generator import Generator, GeneratorError
 from serving.prompt import Source, build_messages, prompt_hash
@@ -266,10 +266,8 @@ class Answerer:
             "answer": shown,
             "raw_answer": raw,
             "sources": [
-                {"n": s.n, "chunk_id": r["chunk_id"], "doc_id": r["doc_id"], "source_table": r["source"]["table"],
-                 "source_pk": r["source"]["pk"], "position": r["source"]["position"],
-                 "kafka_topic": r["source"]["kafka"]["topic"], "kafka_partition": r["source"]["kafka"]["partition"],
-                 "kafka_offset": r["source"]["kafka"]["offset"], "lake_version": r["lake_version"],
+                {"n": s.n, "chunk_id": r["chunk_id"], "doc_id": r["doc_id"],
+                 **SourceRef.from_json(r["source"]).as_columns(), "lake_version": r["lake_version"],
                  "origin": r["origin"], "score": r["score"]}
                 for s, r in zip(p.sources, results, strict=True)
             ],

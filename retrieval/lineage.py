@@ -21,7 +21,6 @@ source or chunk with no visible version is a 404 like one that never existed.
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -33,19 +32,15 @@ from retrieval.acl import Principal, acl_mask
 from retrieval.audit import ANSWERS, AuditLog
 from retrieval.errors import SearchError
 from retrieval.filters import parse_metadata
+from retrieval.results import SOURCE_COLUMNS, SourceRef, iso
 
 AUDITOR = "auditor"
 
 #: chunk columns lineage reports (never the embedding)
 CHUNK_COLUMNS = [
-    "chunk_id", "doc_id", "source_table", "source_pk", "position", "op", "chunk_index", "title", "text",
-    "content_hash", "model", "acl", "metadata", "kafka_topic", "kafka_partition", "kafka_offset", "event_time",
-    "ingest_time", "writer", "writer_seq",
+    "chunk_id", "doc_id", "op", "chunk_index", "title", "text", "content_hash", "model", "acl", "metadata",
+    *SOURCE_COLUMNS, "ingest_time", "writer", "writer_seq",
 ]  # fmt: skip
-
-
-def _iso(value: Any) -> Any:
-    return value.isoformat() if isinstance(value, datetime) else value
 
 
 def _chunk_version(row: dict[str, Any]) -> dict[str, Any]:
@@ -59,14 +54,8 @@ def _chunk_version(row: dict[str, Any]) -> dict[str, Any]:
         "content_hash": row["content_hash"],
         "acl": row["acl"] or [],
         "metadata": parse_metadata(row.get("metadata")),
-        "source": {
-            "table": row["source_table"],
-            "pk": row["source_pk"],
-            "position": row["position"],
-            "event_time": _iso(row["event_time"]),
-            "kafka": {"topic": row["kafka_topic"], "partition": row["kafka_partition"], "offset": row["kafka_offset"]},
-        },
-        "ingest_time": _iso(row["ingest_time"]),
+        "source": SourceRef.from_row(row).as_json(),
+        "ingest_time": iso(row["ingest_time"]),
         "embedding_model": row["model"],
         "writer": {"id": row["writer"], "seq": row["writer_seq"]},
     }
@@ -118,7 +107,7 @@ class Lineage:
         cited = {c["n"]: c for c in row["citations"] or []}
         return {
             "answer_id": row["answer_id"],
-            "time": _iso(row["time"]),
+            "time": iso(row["time"]),
             "principal": row["principal"],
             "groups": row["groups"],
             "question": row["question"],
@@ -225,7 +214,7 @@ class Lineage:
             row = answers.slice(row_index, 1).to_pylist()[0]
             cited = {c["n"] for c in row["citations"] or []}
             out.append({
-                "answer_id": row["answer_id"], "time": _iso(row["time"]), "principal": row["principal"],
+                "answer_id": row["answer_id"], "time": iso(row["time"]), "principal": row["principal"],
                 "question": row["question"], "status": row["status"],
                 "chunk_ids": sorted({c for _, c in refs}), "cited": any(n in cited for n, _ in refs),
                 "lake_version": row["lake_version"], "index_version": row["index_version"],
