@@ -25,8 +25,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -46,6 +47,17 @@ from retrieval.engine import SearchEngine
 from retrieval.errors import SearchError
 from retrieval.filters import FilterError, MetadataFilter
 from retrieval.lineage import Lineage
+from retrieval.schemas import (
+    ERRORS,
+    AnswerLineage,
+    AnswerResponse,
+    ChunkLineage,
+    Health,
+    Live,
+    Ready,
+    SearchResponse,
+    SourceLineage,
+)
 from serving.generator import GeneratorError
 
 log = logging.getLogger(__name__)
@@ -82,6 +94,14 @@ class AnswerRequest(BaseModel):
     stream: bool = Field(default=False, description="stream tokens as server-sent events")
     as_of: int | None = Field(default=None, ge=0, description="answer from the lake as of this version")
     filter: dict[str, Any] | None = Field(default=None, description=FILTER_HELP)
+
+
+#: one server-sent event of a streamed answer; its data is JSON text
+SSE_EVENT = {
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {"event": {"enum": ["token", "done", "error"]}, "data": {"type": "string"}},
+}
 
 
 def sse_frame(name: str, data: dict[str, Any]) -> str:
@@ -176,6 +196,66 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+# The service's components reach routes as dependencies (set on ``app.state`` by
+# create_app). They are async: resolving them never takes a thread from a pool.
+
+
+async def get_engine(request: Request) -> SearchEngine:
+    engine: SearchEngine = request.app.state.engine
+    return engine
+
+
+async def get_answerer(request: Request) -> Answerer:
+    answerer: Answerer | None = request.app.state.answerer
+    if answerer is None:
+        raise ApiError(404, "answers are not enabled on this service (it was started without a generator)")
+    return answerer
+
+
+async def get_lineage(request: Request) -> Lineage:
+    lineage: Lineage | None = request.app.state.lineage
+    if lineage is None:
+        raise ApiError(404, "lineage is not enabled on this service")
+    return lineage
+
+
+def caller(request: Request) -> Principal | None:
+    """The principal a request's token names; ANONYMOUS without auth; None if unauthenticated."""
+    tokens: Tokens | None = request.app.state.tokens
+    if tokens is None:
+        return ANONYMOUS
+    token = bearer(request.headers.get("authorization"))
+    return None if token is None else tokens.principal(token)
+
+
+async def principal(request: Request) -> Principal:
+    """The caller, authenticated (401 otherwise) and within the rate limit (429 otherwise)."""
+    tokens: Tokens | None = request.app.state.tokens
+    found = ANONYMOUS
+    if tokens is not None:
+        token = bearer(request.headers.get("authorization"))
+        if token is None:
+            raise ApiError(401, "missing bearer token (Authorization: Bearer <token>)", {"WWW-Authenticate": "Bearer"})
+        known = tokens.principal(token)
+        if known is None:
+            raise ApiError(401, "invalid bearer token", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
+        found = known
+    limiter: RateLimiter | None = request.app.state.limiter
+    if limiter is not None:
+        wait = limiter.allow(found.name)
+        if wait:
+            metrics.RATE_LIMITED.inc()
+            raise ApiError(429, f"rate limit of {limiter.rate:g} requests/s exceeded; retry in {wait:.1f} s",
+                           {"Retry-After": str(max(1, round(wait)))})  # fmt: skip
+    return found
+
+
+Caller = Annotated[Principal, Depends(principal)]
+EngineDep = Annotated[SearchEngine, Depends(get_engine)]
+AnswererDep = Annotated[Answerer, Depends(get_answerer)]
+LineageDep = Annotated[Lineage, Depends(get_lineage)]
+
+
 def create_app(
     engine: SearchEngine,
     tokens: Tokens | None,
@@ -183,42 +263,33 @@ def create_app(
     lineage: Lineage | None = None,
     rate_limit: float | None = None,
     answer_threads: int = 64,
+    on_startup: Sequence[Callable[[], object]] = (),
+    on_shutdown: Sequence[Callable[[], object]] = (),
 ) -> FastAPI:
+    """The API over the given components; ``on_startup``/``on_shutdown`` run (in a thread)
+    when the server starts and stops: loading the index, draining the audit log."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for step in on_startup:
+            await anyio.to_thread.run_sync(step)
+        try:
+            yield
+        finally:
+            for step in on_shutdown:
+                await anyio.to_thread.run_sync(step)
+
     app = FastAPI(
         title="streamrag",
         summary="Search a streaming RAG index: IVF shards in object storage plus the live lake tail.",
         version="1",
+        lifespan=lifespan,
+        responses=ERRORS,
     )
+    app.state.engine, app.state.answerer, app.state.lineage = engine, answerer, lineage
+    app.state.tokens, app.state.limiter = tokens, RateLimiter(rate_limit) if rate_limit else None
     app.add_middleware(BodyLimit)
-
-    limiter = RateLimiter(rate_limit) if rate_limit else None
     answer_pool = anyio.CapacityLimiter(answer_threads)
-
-    def caller(request: Request) -> Principal | None:
-        """The principal a request's token names; ANONYMOUS without auth; None if unauthenticated."""
-        if tokens is None:
-            return ANONYMOUS
-        token = bearer(request.headers.get("authorization"))
-        return None if token is None else tokens.principal(token)
-
-    async def principal(request: Request) -> Principal:
-        found = ANONYMOUS
-        if tokens is not None:
-            token = bearer(request.headers.get("authorization"))
-            if token is None:
-                raise ApiError(401, "missing bearer token (Authorization: Bearer <token>)",
-                               {"WWW-Authenticate": "Bearer"})  # fmt: skip
-            known = tokens.principal(token)
-            if known is None:
-                raise ApiError(401, "invalid bearer token", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
-            found = known
-        if limiter is not None:
-            wait = limiter.allow(found.name)
-            if wait:
-                metrics.RATE_LIMITED.inc()
-                raise ApiError(429, f"rate limit of {limiter.rate:g} requests/s exceeded; retry in {wait:.1f} s",
-                               {"Retry-After": str(max(1, round(wait)))})  # fmt: skip
-        return found
 
     @app.middleware("http")
     async def timing(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -258,8 +329,8 @@ def create_app(
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return error(500, "internal error; the server log has the details")
 
-    @app.post("/v1/search")
-    def search(body: SearchRequest, who: Principal = Depends(principal)) -> dict[str, Any]:  # noqa: B008
+    @app.post("/v1/search", response_model=SearchResponse)
+    def search(body: SearchRequest, who: Caller, engine: EngineDep) -> dict[str, Any]:
         t0 = time.perf_counter()
         result = engine.search(body.query, body.k, who, body.as_of, where=where(body.filter))
         return {
@@ -271,10 +342,14 @@ def create_app(
             "took_ms": round((time.perf_counter() - t0) * 1000, 2),
         }
 
-    @app.post("/v1/answer", response_model=None)
-    async def answer(body: AnswerRequest, who: Principal = Depends(principal)) -> Response:  # noqa: B008
-        if answerer is None:
-            raise ApiError(404, "answers are not enabled on this service (it was started without a generator)")
+    @app.post(
+        "/v1/answer",
+        response_model=None,
+        responses={200: {"model": AnswerResponse, "description": "the answer (JSON), or with stream: true server-sent "
+                         "events: token {text} …, then done {the answer} or error {error, answer_id}",
+                         "content": {"text/event-stream": {"schema": SSE_EVENT}}}},
+    )  # fmt: skip
+    async def answer(body: AnswerRequest, who: Caller, answerer: AnswererDep) -> Response:
         prepared = await anyio.to_thread.run_sync(  # errors here are plain JSON
             answerer.prepare, body.question, body.k, who, body.as_of, where(body.filter), limiter=answer_pool
         )
@@ -290,39 +365,35 @@ def create_app(
             return JSONResponse({"error": secrets.redact(f"the generator failed: {exc}"),
                                  "answer_id": prepared.answer_id}, status_code=502,
                                 headers={"X-Answer-Id": prepared.answer_id})  # fmt: skip
-        return JSONResponse(done, headers={"X-Answer-Id": prepared.answer_id})
+        shown = AnswerResponse.model_validate(done).model_dump(mode="json")
+        return JSONResponse(shown, headers={"X-Answer-Id": prepared.answer_id})
 
-    def _lineage() -> Lineage:
-        if lineage is None:
-            raise ApiError(404, "lineage is not enabled on this service")
-        return lineage
+    @app.get("/v1/lineage/answers/{answer_id}", response_model=AnswerLineage)
+    def answer_lineage(answer_id: str, who: Caller, lineage: LineageDep) -> dict[str, Any]:
+        return lineage.answer(answer_id, who)
 
-    @app.get("/v1/lineage/answers/{answer_id}")
-    def answer_lineage(answer_id: str, who: Principal = Depends(principal)) -> dict[str, Any]:  # noqa: B008
-        return _lineage().answer(answer_id, who)
+    @app.get("/v1/lineage/sources/{table}/{pk:path}", response_model=SourceLineage)
+    def source_lineage(table: str, pk: str, who: Caller, lineage: LineageDep) -> dict[str, Any]:
+        return lineage.source(table, pk, who)
 
-    @app.get("/v1/lineage/sources/{table}/{pk:path}")
-    def source_lineage(table: str, pk: str, who: Principal = Depends(principal)) -> dict[str, Any]:  # noqa: B008
-        return _lineage().source(table, pk, who)
+    @app.get("/v1/lineage/chunks/{chunk_id}", response_model=ChunkLineage)
+    def chunk_lineage(chunk_id: str, who: Caller, lineage: LineageDep) -> dict[str, Any]:
+        return lineage.chunk(chunk_id, who)
 
-    @app.get("/v1/lineage/chunks/{chunk_id}")
-    def chunk_lineage(chunk_id: str, who: Principal = Depends(principal)) -> dict[str, Any]:  # noqa: B008
-        return _lineage().chunk(chunk_id, who)
-
-    @app.get("/livez")
+    @app.get("/livez", response_model=Live)
     async def livez() -> dict[str, str]:
         return {"status": "alive"}
 
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
+    @app.get("/readyz", response_model=Ready, responses={503: {"model": Ready}})
+    async def readyz(engine: EngineDep) -> JSONResponse:
         if not engine.ready:
             return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "5"})
         view = engine.current_view()
         return JSONResponse({"status": "ready", "index_version": view.index_version,
                              "lake_version": view.lake_version})  # fmt: skip
 
-    @app.get("/healthz")
-    async def healthz(request: Request) -> JSONResponse:
+    @app.get("/healthz", response_model=Health, responses={503: {"model": Health}})
+    async def healthz(request: Request, engine: EngineDep) -> JSONResponse:
         health = engine.health()
         if answerer is not None and health["status"] != "starting":
             if answerer.audit is not None and not answerer.audit.healthy:

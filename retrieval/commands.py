@@ -235,9 +235,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         answerer = _answers(config, engine, stack)
         stop = threading.Event()
         loader = threading.Thread(target=_load_in_background, args=(engine, stop), name="engine-loader", daemon=True)
-        loader.start()
         audit = answerer.audit if answerer is not None else None
-        app = create_app(engine, tokens, answerer, Lineage(engine.lake, audit), config.rate_limit or None)
+        app = create_app(
+            engine, tokens, answerer, Lineage(engine.lake, audit), config.rate_limit or None,
+            on_startup=[loader.start], on_shutdown=[stop.set, engine.stop],
+        )  # fmt: skip
         # log_config=None: uvicorn's records go through our (redacting) handlers.
         server = uvicorn.Server(
             uvicorn.Config(

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
 
 from indexing.store import LocalStore
 from pipelines.lake import Lake
@@ -75,6 +76,8 @@ def check(case: Any) -> None:
         assert "Traceback" not in text and 'File "' not in text, text[:500]
         if response.status_code >= 400:
             assert "error" in response.json(), text[:300]
+        # Every response is what the OpenAPI document says: a documented status, the declared schema.
+        case.validate_response(response, checks=[status_code_conformance, response_schema_conformance])
         if not auth and case.path not in ("/livez", "/readyz", "/healthz", "/metrics"):
             assert response.status_code != 200, f"{case.path} answered without a token"
 
