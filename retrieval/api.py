@@ -21,11 +21,9 @@ error texts only authenticated callers see.
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -36,7 +34,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipelines import secrets
 from retrieval import metrics
@@ -46,6 +43,7 @@ from retrieval.auth import Tokens, bearer
 from retrieval.engine import SearchEngine
 from retrieval.errors import SearchError
 from retrieval.filters import FilterError, MetadataFilter
+from retrieval.http import SSE_EVENT, ApiError, BodyLimit, RateLimiter, error, sse
 from retrieval.lineage import Lineage
 from retrieval.schemas import (
     ERRORS,
@@ -61,9 +59,6 @@ from retrieval.schemas import (
 from serving.generator import GeneratorError
 
 log = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 64 * 1024
-
 
 FILTER_HELP = (
     'only chunks whose document metadata matches: {"key": value or [any of these values]}, every key must match'
@@ -94,106 +89,6 @@ class AnswerRequest(BaseModel):
     stream: bool = Field(default=False, description="stream tokens as server-sent events")
     as_of: int | None = Field(default=None, ge=0, description="answer from the lake as of this version")
     filter: dict[str, Any] | None = Field(default=None, description=FILTER_HELP)
-
-
-#: one server-sent event of a streamed answer; its data is JSON text
-SSE_EVENT = {
-    "type": "object",
-    "required": ["event", "data"],
-    "properties": {"event": {"enum": ["token", "done", "error"]}, "data": {"type": "string"}},
-}
-
-
-def sse_frame(name: str, data: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
-
-
-async def sse(events: Iterator[tuple[str, dict[str, Any]]], limiter: anyio.CapacityLimiter) -> AsyncIterator[str]:
-    """Server-sent events from a blocking iterator, each step run in ``limiter``'s threads.
-
-    On a client that went away the iterator is closed (in a thread of the same pool), so the
-    answerer records the interrupted answer.
-    """
-    try:
-        while True:
-            item: tuple[str, dict[str, Any]] | None = await anyio.to_thread.run_sync(
-                next, events, None, limiter=limiter
-            )
-            if item is None:
-                return
-            yield sse_frame(*item)
-    finally:
-        close = getattr(events, "close", None)
-        if close is not None:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(close, limiter=limiter)
-
-
-class RateLimiter:
-    """Token buckets per principal: ``rate`` requests/s sustained, ``burst`` at once."""
-
-    def __init__(self, rate: float, burst: float | None = None) -> None:
-        self.rate = rate
-        self.burst = burst or max(1.0, 2 * rate)
-        self._buckets: dict[str, tuple[float, float]] = {}
-        self._lock = threading.Lock()
-
-    def allow(self, who: str) -> float:
-        """0 if the request may go ahead, else seconds until it could."""
-        now = time.monotonic()
-        with self._lock:
-            tokens, last = self._buckets.get(who, (self.burst, now))
-            tokens = min(self.burst, tokens + (now - last) * self.rate)
-            if tokens >= 1:
-                self._buckets[who] = (tokens - 1, now)
-                return 0.0
-            self._buckets[who] = (tokens, now)
-            return (1 - tokens) / self.rate
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.headers = headers
-
-
-def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
-
-
-class BodyLimit:
-    """Refuses request bodies over ``limit`` bytes (declared or streamed) with a JSON 413,
-    and reads every POST body as JSON."""
-
-    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        if scope.get("method") == "POST" and not headers.get(b"content-type", b"").startswith(b"application/json"):
-            # Bodies are JSON whatever the client says (curl -d sends a form content type).
-            headers[b"content-type"] = b"application/json"
-            scope = {**scope, "headers": list(headers.items())}
-        declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            await error(413, f"request body over {self.limit} bytes")(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise ApiError(413, f"request body over {self.limit} bytes")
-            return message
-
-        await self.app(scope, limited, send)
 
 
 # The service's components reach routes as dependencies (set on ``app.state`` by

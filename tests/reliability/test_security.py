@@ -19,7 +19,8 @@ from fastapi.testclient import TestClient
 
 from indexing.store import LocalStore
 from retrieval.answer import Answerer
-from retrieval.api import RateLimiter, create_app
+from retrieval.api import create_app
+from retrieval.http import RateLimiter
 from retrieval.audit import AuditLog
 from retrieval.auth import Tokens
 from retrieval.cache import ShardCache
