@@ -20,11 +20,11 @@ from fastapi.testclient import TestClient
 from indexing.store import LocalStore
 from retrieval.answer import Answerer
 from retrieval.api import create_app
-from retrieval.http import RateLimiter
 from retrieval.audit import AuditLog
 from retrieval.auth import Tokens
 from retrieval.cache import ShardCache
 from retrieval.engine import SearchEngine
+from retrieval.http import RateLimiter
 from retrieval.lineage import Lineage
 from retrieval.views import EngineOptions
 from serving.fake_embedder import FakeEmbedder
