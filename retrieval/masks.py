@@ -31,15 +31,19 @@ def shard_filter(
     # two tails over the same range hold the same set. A generation number is no such key:
     # an ``as_of`` tail and the live tail can both be generation 1 of one base.
     stamp = (tail.base_version, tail.version)
+    filter_key = ("metadata", where.key) if where is not None else None  # once per query, not per shard
+
+    def matching(shard: LoadedShard) -> np.ndarray:
+        assert where is not None
+        ids = shard.ids  # an index built before metadata existed has no such column: nothing matches
+        return where.mask(ids.column("metadata") if "metadata" in ids.column_names else None, ids.num_rows)
 
     def allow(_: int, shard: LoadedShard) -> np.ndarray | None:
         visible = _memo(shard, ("acl", groups), lambda: acl_mask(shard.ids.column("acl"), groups))
         mask = None if visible.all() else visible
-        if where is not None:
-            ids = shard.ids
-            column = ids.column("metadata") if "metadata" in ids.column_names else None
-            matching = _memo(shard, ("metadata", where.key), lambda: where.mask(column, ids.num_rows))
-            mask = matching if mask is None else mask & matching
+        if filter_key is not None:
+            matches = _memo(shard, filter_key, lambda: matching(shard))
+            mask = matches if mask is None else mask & matches
         if superseded:
             stale = _memo(shard, ("superseded", stamp), lambda: _superseded(shard, superseded))
             if stale.any():
