@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import tempfile
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pipelines.storage import ObjectStoreSettings, is_s3, normalize_uri
+from serving.retry import patience, retrying
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -178,18 +177,23 @@ class S3Store(ObjectStore):
         return StoreError(f"{self.uri(key)}: {exc}")
 
     def _patiently(self, what: str, key: str, op: Callable[[], T]) -> T:
-        deadline = time.monotonic() + self.patience_s
-        delay = 0.5
-        while True:
+        def translated() -> T:
             try:
                 return op()
             except Exception as exc:
-                error = self._translate(exc, key)
-                if not isinstance(error, StoreUnavailable) or time.monotonic() + delay > deadline:
-                    raise error from exc
-                log.warning("%s %s failed (%s); retrying in %.1f s", what, self.uri(key), exc, delay)
-                time.sleep(delay * random.uniform(0.8, 1.2))
-                delay = min(delay * 2, 10.0)
+                raise self._translate(exc, key) from exc
+
+        for attempt in retrying(
+            retry_on=lambda exc: isinstance(exc, StoreUnavailable),
+            stop=patience(self.patience_s),
+            max_s=10.0,
+            jitter=0.2,
+            log=log,
+            what=f"{what} {self.uri(key)}",
+        ):
+            with attempt:
+                return translated()
+        raise AssertionError("unreachable: retrying() re-raises the last failure")
 
     def get(self, key: str) -> bytes:
         def op() -> bytes:

@@ -31,6 +31,7 @@ import pyarrow.dataset as ds
 from deltalake import CommitProperties, Transaction, write_deltalake
 
 from pipelines.lake import IDENTITY, Lake
+from serving.retry import attempts, retrying
 
 log = logging.getLogger(__name__)
 
@@ -124,27 +125,25 @@ class LakeWriter:
             app_transactions=[Transaction(self.app_id, seq)],
             custom_metadata={"streamrag.writer": self.app_id, "streamrag.seq": str(seq)},
         )
-        for attempt in range(self.retries + 1):
-            try:
+        for attempt in retrying(
+            retry_on=lambda exc: not isinstance(exc, ConcurrentWriterError),
+            stop=attempts(self.retries + 1),
+            first_s=self.backoff_s,
+            log=log,
+            what=f"{self.app_id}: commit {seq}",
+            sleep=self._sleep,
+        ):
+            with attempt:
                 self._dt.update_incremental()
                 landed = self._dt.transaction_version(self.app_id) or 0
-                if attempt > 0 and landed == seq:  # our earlier attempt committed, then failed to answer
-                    break
+                if attempt.retry_state.attempt_number > 1 and landed == seq:
+                    break  # our earlier attempt committed, then failed to answer
                 if landed != self.seq:
                     raise ConcurrentWriterError(
                         f"writer {self.app_id} expected commit {self.seq} in {self.table_name} "
                         f"but found {landed}: two jobs share one lake writer id."
                     )
                 write_deltalake(self._dt, rows, mode="append", commit_properties=props)
-                break
-            except ConcurrentWriterError:
-                raise
-            except Exception as exc:
-                if attempt == self.retries:
-                    raise
-                delay = min(30.0, self.backoff_s * 2**attempt)
-                log.warning("%s: commit %d failed (%s); retrying in %.1fs", self.app_id, seq, exc, delay)
-                self._sleep(delay)
         self.seq = seq
         if self.compact_every and seq % self.compact_every == 0:
             self.maintain()

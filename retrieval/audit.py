@@ -37,6 +37,7 @@ from deltalake.exceptions import SchemaMismatchError
 
 from pipelines.lake import Lake
 from retrieval import metrics
+from serving.retry import RetryCallState, retrying, stop_when
 
 log = logging.getLogger(__name__)
 
@@ -217,31 +218,46 @@ class AuditLog:
                 return
 
     def _write_until_done(self, batch: list[dict[str, Any]]) -> None:
+        """Write the batch, retrying with backoff; set it aside once retrying cannot help.
+
+        That is: at once when the table's schema refuses it, after ``give_up_s`` of
+        failures, or at shutdown once the backoff has reached its cap.
+        """
         batch = self._without_misfits(batch)
-        delay = self.backoff_s
-        first_failure: float | None = None
-        while batch:
-            try:
-                self._write(batch)
-            except Exception as exc:  # noqa: BLE001 - keep the rows, retry
-                metrics.AUDIT_FAILURES.inc()
-                if str(exc) != self.last_error:
-                    log.warning("audit write of %d records failed (retrying): %s", len(batch), exc)
-                self.last_error = str(exc)
-                first_failure = first_failure or time.monotonic()
-                if isinstance(exc, _Poison) or time.monotonic() - first_failure >= self.give_up_s:
-                    self._quarantine(batch, f"the audit table refused the batch for good: {exc}")
-                    return
-                if self._stop.is_set() and delay >= self.max_backoff_s:
-                    self._quarantine(batch, f"still failing at shutdown: {exc}")
-                    return
-                time.sleep(delay)
-                delay = min(self.max_backoff_s, delay * 2)
-                continue
-            self.last_error = None
-            metrics.AUDIT_WRITTEN.inc(len(batch))
-            self._done(batch)
+        if not batch:
             return
+
+        def hopeless(state: RetryCallState) -> bool:
+            too_long = (state.seconds_since_start or 0.0) >= self.give_up_s
+            return too_long or (self._stop.is_set() and state.upcoming_sleep >= self.max_backoff_s)
+
+        try:
+            for attempt in retrying(
+                retry_on=lambda exc: not isinstance(exc, _Poison),
+                stop=stop_when(hopeless),
+                first_s=self.backoff_s,
+                max_s=self.max_backoff_s,
+            ):
+                with attempt:
+                    try:
+                        self._write(batch)
+                    except Exception as exc:
+                        self._failed(batch, exc)
+                        raise
+        except Exception as exc:  # noqa: BLE001 - set aside, so the rows behind these get written
+            shutdown = self._stop.is_set() and not isinstance(exc, _Poison)
+            reason = "still failing at shutdown" if shutdown else "the audit table refused the batch for good"
+            self._quarantine(batch, f"{reason}: {exc}")
+            return
+        self.last_error = None
+        metrics.AUDIT_WRITTEN.inc(len(batch))
+        self._done(batch)
+
+    def _failed(self, batch: list[dict[str, Any]], exc: Exception) -> None:
+        metrics.AUDIT_FAILURES.inc()
+        if str(exc) != self.last_error:  # one warning per distinct failure, not one per retry
+            log.warning("audit write of %d records failed (retrying): %s", len(batch), exc)
+        self.last_error = str(exc)
 
     def _without_misfits(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The batch less records that do not fit the table's schema (those are set aside)."""

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
+
+from serving.retry import Retrying, attempts, retrying
 
 log = logging.getLogger(__name__)
 
@@ -135,29 +136,43 @@ class Generator:
             "stream": stream,
         }
 
+    def _retrying(self, what: str) -> Retrying:
+        return retrying(
+            retry_on=lambda exc: isinstance(exc, (*_RETRYABLE, _Busy)),
+            stop=attempts(self.settings.retries + 1),
+            first_s=self.settings.backoff_s,
+            max_s=60.0,
+            log=log,
+            what=f"{what} to the generator at {self.where}",
+        )
+
+    def _unavailable(self, exc: Exception) -> GeneratorError:
+        tries, why = self.settings.retries + 1, exc if isinstance(exc, _Busy) else _describe(exc)
+        return GeneratorError(f"the generator at {self.where} is unavailable after {tries} attempts: {why}")
+
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
-        last: Exception | None = None
-        for attempt in range(self.settings.retries + 1):
-            if attempt:
-                time.sleep(self.settings.backoff_s * 2 ** (attempt - 1))
-            try:
-                response = self._http.request(method, path, json=body)
-            except _RETRYABLE as exc:
-                last = exc
-                log.warning("generator at %s unreachable (attempt %d): %s", self.where, attempt + 1, exc)
-                continue
-            except httpx.TimeoutException as exc:
-                raise GeneratorError(f"the generator at {self.where} timed out: {exc}") from exc
-            except httpx.HTTPError as exc:  # a read or write broken mid-response, a bad encoding, …
-                raise GeneratorError(f"the generator at {self.where} failed mid-response: {_describe(exc)}") from exc
-            if response.status_code in RETRY_STATUS:
-                last = GeneratorError(f"HTTP {response.status_code}")
-                continue
-            if response.status_code >= 400:
-                raise self._refused(response)
-            return response
-        attempts = self.settings.retries + 1
-        raise GeneratorError(f"the generator at {self.where} is unavailable after {attempts} attempts: {last}")
+        try:
+            for attempt in self._retrying("request"):
+                with attempt:
+                    return self._request_once(method, path, body)
+        except (*_RETRYABLE, _Busy) as exc:
+            raise self._unavailable(exc) from exc
+        raise AssertionError("unreachable: retrying() re-raises the last failure")
+
+    def _request_once(self, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, json=body)
+        except _RETRYABLE:
+            raise
+        except httpx.TimeoutException as exc:
+            raise GeneratorError(f"the generator at {self.where} timed out: {exc}") from exc
+        except httpx.HTTPError as exc:  # a read or write broken mid-response, a bad encoding, …
+            raise GeneratorError(f"the generator at {self.where} failed mid-response: {_describe(exc)}") from exc
+        if response.status_code in RETRY_STATUS:
+            raise _Busy(f"HTTP {response.status_code}")
+        if response.status_code >= 400:
+            raise self._refused(response)
+        return response
 
     def complete(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> Completion:
         data = self._json(self._request("POST", "/chat/completions", self._body(messages, False, max_tokens)))
@@ -175,44 +190,55 @@ class Generator:
     def stream(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> Iterator[str]:
         """Tokens (text deltas) as the server sends them (server-sent events)."""
         body = self._body(messages, True, max_tokens)
-        for attempt in range(self.settings.retries + 1):
-            if attempt:
-                time.sleep(self.settings.backoff_s * 2 ** (attempt - 1))
-            started = False
-            try:
-                with self._http.stream("POST", "/chat/completions", json=body) as response:
-                    if response.status_code in RETRY_STATUS and attempt < self.settings.retries:
-                        continue
-                    if response.status_code >= 400:
-                        response.read()
-                        raise self._refused(response)
-                    done = False
-                    for line in response.iter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == "[DONE]":
-                            done = True
-                            break
-                        text, finish = _event(payload)
-                        done = done or finish is not None
-                        if text:
-                            started = True
-                            yield text
-                    if not done:  # no [DONE] and no finish_reason: the server went away mid-answer
-                        raise GeneratorError(
-                            f"the generator stream from {self.where} ended without [DONE]: the answer may be cut off."
-                        )
+        try:
+            for attempt in self._retrying("stream"):
+                with attempt:
+                    yield from self._stream_once(body)
                     return
-            except _RETRYABLE as exc:
-                if started or attempt >= self.settings.retries:
-                    raise GeneratorError(f"the generator stream from {self.where} broke: {_describe(exc)}") from exc
-                log.warning("generator unreachable (attempt %d): %s", attempt + 1, exc)
-            except httpx.TimeoutException as exc:
-                raise GeneratorError(f"the generator at {self.where} timed out: {exc}") from exc
-            except httpx.HTTPError as exc:  # a read broken mid-stream (the server's pod killed), …
+        except _Busy as exc:
+            raise self._unavailable(exc) from exc
+        except _RETRYABLE as exc:
+            raise GeneratorError(f"the generator stream from {self.where} broke: {_describe(exc)}") from exc
+
+    def _stream_once(self, body: dict[str, Any]) -> Iterator[str]:
+        """One streamed request; only a failure before the first token may be retried (as _RETRYABLE or _Busy)."""
+        started = False
+        try:
+            with self._http.stream("POST", "/chat/completions", json=body) as response:
+                if response.status_code in RETRY_STATUS:
+                    raise _Busy(f"HTTP {response.status_code}")
+                if response.status_code >= 400:
+                    response.read()
+                    raise self._refused(response)
+                done = False
+                for line in response.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        done = True
+                        break
+                    text, finish = _event(payload)
+                    done = done or finish is not None
+                    if text:
+                        started = True
+                        yield text
+                if not done:  # no [DONE] and no finish_reason: the server went away mid-answer
+                    raise GeneratorError(
+                        f"the generator stream from {self.where} ended without [DONE]: the answer may be cut off."
+                    )
+        except _RETRYABLE as exc:
+            if started:  # a retry would repeat the tokens already sent
                 raise GeneratorError(f"the generator stream from {self.where} broke: {_describe(exc)}") from exc
-        raise GeneratorError(f"the generator at {self.where} is unavailable.")
+            raise
+        except httpx.TimeoutException as exc:
+            raise GeneratorError(f"the generator at {self.where} timed out: {exc}") from exc
+        except httpx.HTTPError as exc:  # a read broken mid-stream (the server's pod killed), …
+            raise GeneratorError(f"the generator stream from {self.where} broke: {_describe(exc)}") from exc
+
+
+class _Busy(Exception):
+    """A 502/503/504: the server or its proxy is overloaded or restarting, so another try may succeed."""
 
 
 #: failures before the server could have started answering: safe to retry (before any token)

@@ -6,16 +6,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelines.debezium import decode, source_position
+from pipelines.envelopes import Op
+from pipelines.envelopes import envelope as debezium_envelope
 from pipelines.mapping import MappingConfig
 from pipelines.records import ChangeEvent, DeadLetter, KafkaCoordinates
 
 K = KafkaCoordinates("cdc.app.public.docs", 0, 42)
 M = MappingConfig()
-SRC = {"connector": "postgresql", "db": "app", "schema": "public", "table": "docs", "lsn": 1234, "ts_ms": 5}
 
 
-def envelope(op: str = "c", after: dict | None = None, before: dict | None = None, source: dict | None = None) -> dict:
-    return {"before": before, "after": after, "source": source or SRC, "op": op, "ts_ms": 1000}
+def envelope(op: Op = "c", after: dict | None = None, before: dict | None = None, table: str = "docs") -> dict:
+    return debezium_envelope(op, after, before, lsn=1234, ts_ms=1000, table=table)
 
 
 def enc(obj: object) -> bytes:
@@ -31,7 +32,7 @@ def test_bare_envelope_create() -> None:
 
 
 def test_schema_payload_wrapper_and_snapshot_read() -> None:
-    value = {"schema": {"type": "struct"}, "payload": envelope("r", {"id": 1, "body": "x", "acl": ["g"]})}
+    value = debezium_envelope("r", {"id": 1, "body": "x", "acl": ["g"]}, lsn=1, wrapped=True)
     key = {"schema": {"type": "struct"}, "payload": {"id": 1}}
     ev = decode(enc(key), enc(value), K, M)
     assert isinstance(ev, ChangeEvent) and ev.op == "upsert" and ev.acl == ("g",)
@@ -67,9 +68,8 @@ def test_per_table_mapping() -> None:
             }
         }
     )
-    src = {**SRC, "table": "tickets"}
     row = {"ticket_id": "T-1", "subject": "Broken", "description": "It broke.", "notes": "Fixed.", "priority": 2}
-    ev = decode(None, enc(envelope("u", row, source=src)), K, mapping)
+    ev = decode(None, enc(envelope("u", row, table="tickets")), K, mapping)
     assert isinstance(ev, ChangeEvent)
     assert (ev.source_pk, ev.title, ev.text, ev.acl) == ("T-1", "Broken", "It broke.\n\nFixed.", ())
     assert ev.metadata == (("priority", "2"),)
@@ -102,7 +102,7 @@ def test_malformed_messages_are_dead_letters_with_reasons() -> None:
     assert "JSON list" in bad(enc([1, 2])).error
     assert "'source'" in bad(enc({"op": "c", "after": {"id": 1}})).error
     assert "tombstone" in bad(None).error
-    bad_ts = {**envelope("c", {"id": 1}, source={"table": "t"}), "ts_ms": "x"}
+    bad_ts = {**envelope("c", {"id": 1}), "source": {"table": "t"}, "ts_ms": "x"}
     assert "ts_ms must be an integer" in bad(enc(bad_ts)).error
 
 

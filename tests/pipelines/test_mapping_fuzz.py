@@ -15,6 +15,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from pipelines.debezium import decode
+from pipelines.envelopes import envelope
 from pipelines.mapping import MappingConfig, MappingError, TableMapping
 from pipelines.records import ChangeEvent, DeadLetter, KafkaCoordinates
 
@@ -144,8 +145,8 @@ def test_deletes_under_any_mapping_need_only_the_key(raw: dict[str, Any], row: d
     config = load(raw)
     if config is None:
         return
-    envelope = {"before": row, "after": None, "op": "d", "ts_ms": 1, "source": {"schema": "public", "table": "docs"}}
-    out = decode(None, json.dumps(envelope).encode(), K, config)
+    value = envelope("d", None, row, lsn=1, ts_ms=1)
+    out = decode(None, json.dumps(value).encode(), K, config)
     expected = oracle(config.for_table("public.docs"), row)
     if expected == "primary key":
         assert isinstance(out, DeadLetter) and "primary key" in out.error and "unexpected" not in out.error

@@ -10,8 +10,8 @@ import pytest
 from confluent_kafka import Producer
 
 from pipelines.broker import ensure_topics
+from pipelines.envelopes import envelope as debezium_envelope
 from pipelines.lake import CHUNKS, DEAD_LETTERS, Lake
-from tests.corpus import _event
 from tests.integration.helpers import cli, count_dlq, ingest_args
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
@@ -21,13 +21,12 @@ TOPIC = "cdc.app.public.docs_badinput"
 
 def good(pk: int) -> bytes:
     row = {"id": pk, "title": f"Good {pk}", "body": f"Valid document number {pk} about lighthouses.", "acl": ""}
-    value = json.loads(_event("c", pk, row, None, 100 + pk))["value"]
-    return json.dumps(value).encode()
+    return json.dumps(debezium_envelope("c", row, lsn=100 + pk)).encode()
 
 
 def envelope(**over: object) -> bytes:
-    base: dict[str, object] = {"before": None, "after": {"id": 1, "title": "t", "body": "b", "acl": []},
-                               "source": {"table": "docs", "lsn": 5}, "op": "c", "ts_ms": 1}  # fmt: skip
+    """A valid create event with some fields replaced by the malformed values under test."""
+    base = debezium_envelope("c", {"id": 1, "title": "t", "body": "b", "acl": []}, lsn=5, ts_ms=1)
     base.update(over)
     return json.dumps(base).encode()
 
