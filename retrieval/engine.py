@@ -22,7 +22,7 @@ from indexing.reader import ShardSource, take_rows
 from indexing.store import NotFound, ObjectStore
 from pipelines.lake import Lake
 from retrieval import metrics
-from retrieval.acl import ANONYMOUS, Principal, acl_mask
+from retrieval.acl import ANONYMOUS, Principal
 from retrieval.errors import SearchError
 from retrieval.filters import MetadataFilter
 from retrieval.masks import shard_filter
@@ -112,9 +112,9 @@ class SearchEngine(Views):
                 break
             nprobe = min(nlist, nprobe * 4)
             metrics.NPROBE_WIDENED.inc()
-        tail_allowed = acl_mask(tail.live.column("acl"), principal.groups) if tail.live.num_rows else None
-        if where is not None and tail_allowed is not None:
-            tail_allowed = tail_allowed & where.mask(tail.live.column("metadata"), tail.live.num_rows)
+        tail_allowed = tail.allowed(principal.groups)
+        if where is not None and tail.n:
+            tail_allowed = tail_allowed & where.mask(tail.table.column("metadata"), tail.n)
         merged: list[tuple[float, str, Any]] = [(h.distance, "index", h) for h in hits]
         merged += [(d, "tail", i) for i, d in tail.search(vector, k, tail_allowed)]
         merged.sort(key=lambda m: m[0])
@@ -122,7 +122,7 @@ class SearchEngine(Views):
         index_hits = [h for _, origin, h in merged if origin == "index"]
         index_rows = iter(reader.rows(index_hits, RESULT_COLUMNS))
         tail_refs = [i for _, origin, i in merged if origin == "tail"]
-        tail_rows = iter(take_rows(tail.live, tail_refs, [*RESULT_COLUMNS, "lake_version"]))
+        tail_rows = iter(take_rows(tail.table, tail_refs, [*RESULT_COLUMNS, "lake_version"]))
         results = []
         for distance, origin, _ in merged:  # both row lists are in merged order
             score = 1.0 - distance / 2.0
@@ -140,5 +140,5 @@ class SearchEngine(Views):
                                 for _, origin, _ in merged])  # fmt: skip
         # Only the tail rows this caller may see are counted: the total would tell an outsider
         # how many hidden chunks changed since the index.
-        visible_tail = int(tail_allowed.sum()) if tail_allowed is not None else 0
+        visible_tail = int(tail_allowed.sum())
         return SearchResult(results, reader.manifest.version, tail.version, nprobe, visible_tail, {}, vectors)

@@ -13,25 +13,19 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from indexing.reader import LoadedShard
 from retrieval.acl import acl_mask
 from retrieval.filters import MetadataFilter
-from retrieval.tail import TailState
+from retrieval.tail import INF_VERSION, TailState
 
 
 def shard_filter(
     tail: TailState, groups: frozenset[str], where: MetadataFilter | None = None
 ) -> Callable[[int, LoadedShard], np.ndarray | None]:
     """The allow-mask function a reader applies to each shard it scans (None = all allowed)."""
-    superseded = tail.superseded
-    # The superseded set is a function of the lake versions the tail covers, (base, version]:
-    # two tails over the same range hold the same set. A generation number is no such key:
-    # an ``as_of`` tail and the live tail can both be generation 1 of one base.
-    stamp = (tail.base_version, tail.version)
     filter_key = ("metadata", where.key) if where is not None else None  # once per query, not per shard
+    stale_any = tail.supersedes_any
 
     def matching(shard: LoadedShard) -> np.ndarray:
         assert where is not None
@@ -44,18 +38,69 @@ def shard_filter(
         if filter_key is not None:
             matches = _memo(shard, filter_key, lambda: matching(shard))
             mask = matches if mask is None else mask & matches
-        if superseded:
-            stale = _memo(shard, ("superseded", stamp), lambda: _superseded(shard, superseded))
-            if stale.any():
+        if stale_any:
+            stale = _stale(shard, tail)
+            if stale is not None:
                 mask = ~stale if mask is None else mask & ~stale
         return mask
 
     return allow
 
 
-def _superseded(shard: LoadedShard, ids: frozenset[str]) -> np.ndarray:
-    found = pc.is_in(shard.ids.column("chunk_id"), value_set=pa.array(sorted(ids), pa.string()))
-    return np.asarray(pc.fill_null(found, False).to_numpy(zero_copy_only=False), dtype=bool)
+class _Staleness:
+    """When each entry of a shard became stale, for the tails of one base version.
+
+    ``since[row]`` is the first lake version after the base that wrote a newer version of
+    the row's chunk (never: the maximum int64). The tail's lake history after its base is
+    the same for every tail of that base (live or ``as_of``), so one array serves them all:
+    a tail at version V excludes the rows with ``since <= V``. Each commit is applied once,
+    by looking its chunk ids up (a hash → row table built when the shard is first used).
+    """
+
+    def __init__(self, shard: LoadedShard, base: int) -> None:
+        ids = shard.ids.column("chunk_id")
+        self.ids = ids.to_pylist()
+        hashes = np.fromiter((hash(i) for i in self.ids), np.int64, len(self.ids))
+        self.order = np.argsort(hashes, kind="stable")
+        self.hashes = hashes[self.order]
+        self.since = np.full(len(self.ids), INF_VERSION, np.int64)
+        self.applied = base  # commits up to this lake version are in ``since``
+        self.masks: dict[int, np.ndarray | None] = {}
+        self.lock = threading.Lock()
+
+    def rows(self, chunk_ids: list[str]) -> list[int]:
+        wanted = np.fromiter((hash(i) for i in chunk_ids), np.int64, len(chunk_ids))
+        lo = np.searchsorted(self.hashes, wanted, "left")
+        hi = np.searchsorted(self.hashes, wanted, "right")
+        found: list[int] = []
+        for chunk_id, a, b in zip(chunk_ids, lo.tolist(), hi.tolist(), strict=True):
+            found.extend(int(r) for r in self.order[a:b] if self.ids[r] == chunk_id)  # hash collisions checked
+        return found
+
+    def mask(self, tail: TailState) -> np.ndarray | None:
+        with self.lock:
+            if tail.version > self.applied:
+                for version, chunk_ids in tail.superseding(self.applied):
+                    rows = self.rows(chunk_ids)
+                    if rows:
+                        self.since[rows] = np.minimum(self.since[rows], version)
+                self.applied = tail.version
+            if tail.version not in self.masks:
+                stale = self.since <= tail.version
+                self.masks[tail.version] = stale if stale.any() else None
+                while len(self.masks) > 4:  # the live tail's few newest versions, and an as_of or two
+                    del self.masks[next(iter(self.masks))]
+            return self.masks[tail.version]
+
+
+def _stale(shard: LoadedShard, tail: TailState) -> np.ndarray | None:
+    """Entries of the shard that the tail holds a newer version of (None: none)."""
+    key = ("stale", tail.base_version)
+    with _MEMO_LOCK:
+        staleness = shard.derived.get(key)
+        if staleness is None:
+            staleness = shard.derived[key] = _Staleness(shard, tail.base_version)
+    return staleness.mask(tail)
 
 
 _MEMO_LOCK = threading.Lock()
@@ -68,10 +113,8 @@ def _memo(shard: LoadedShard, key: tuple[Any, ...], make: Callable[[], np.ndarra
     if found is None:
         found = make()
         with _MEMO_LOCK:
-            if key[0] == "superseded":  # only the newest tail's mask is worth keeping
-                for old in [k for k in shard.derived if k[0] == "superseded"]:
-                    del shard.derived[old]
             shard.derived[key] = found
             while len(shard.derived) > _MEMO_SIZE:
-                del shard.derived[next(iter(shard.derived))]
+                oldest = next(k for k in shard.derived if k[0] != "stale")  # staleness is kept: it is incremental
+                del shard.derived[oldest]
     return found

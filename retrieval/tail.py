@@ -5,24 +5,27 @@ after the index's lake version V, and only the data files those commits *added w
 data* (compaction rewrites carry ``dataChange: false`` and are skipped), so each poll
 costs one GET when nothing changed and reads each new row once.
 
-Its state is immutable and replaced whole on each change, so a query searches one
-consistent tail while the next poll builds the following one:
+A :class:`TailLog` keeps every row after V in commit order and grows by appending: a
+commit costs work proportional to its own rows, never to the tail or the index. Queries
+search immutable :class:`TailState` snapshots (a prefix of the log at one lake version),
+so a query sees one consistent tail while the poller appends the next commit:
 
-- ``rows``: the latest version after V of every chunk id that changed (upserts and
-  deletes), tagged with the lake version that committed it;
-- ``live``/``vectors``: its upserts, searched exactly with every query;
-- ``superseded``: every chunk id in ``rows`` — the index's copies of these are stale
-  (updated, re-permissioned or deleted) and are filtered out of shard results.
+- the newest version of each chunk id after V (``live``: its upserts), searched exactly;
+- the chunk ids with any version after V, by the lake version that first wrote one
+  (``superseding``): the index's copies of these are stale (updated, re-permissioned or
+  deleted) and are filtered out of shard results (``retrieval.masks``).
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 from urllib.parse import unquote
 
 import numpy as np
@@ -31,7 +34,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from indexing.store import NotFound, ObjectStore, open_store
-from pipelines.lake import CHUNKS, CHUNKS_SCHEMA, Lake, embeddings, latest_rows
+from pipelines.lake import CHUNKS, CHUNKS_SCHEMA, Lake, embeddings
+from retrieval.acl import acl_mask
 
 log = logging.getLogger(__name__)
 
@@ -43,58 +47,236 @@ class TailError(Exception):
     """The lake's log cannot be followed from the requested version."""
 
 
-@dataclass(frozen=True)
-class TailState:
-    base_version: int  # the index's lake version: the tail holds what came after it
-    version: int  # the last lake version read
-    rows: pa.Table  # CHUNKS columns + lake_version: latest row per changed chunk id
-    live: pa.Table  # the upserts of rows
-    vectors: np.ndarray  # embeddings of live, (n, dim)
-    superseded: frozenset[str]
-    #: when a poll last found the tail up to date with the lake (monotonic seconds)
-    checked_at: float = field(default_factory=time.monotonic)
+INF_VERSION = np.iinfo(np.int64).max
 
-    @classmethod
-    def empty(cls, base_version: int, dim: int) -> TailState:
-        rows = _with_version(CHUNKS_SCHEMA.empty_table(), 0)
-        return cls(base_version, base_version, rows, rows, np.zeros((0, dim), np.float32), frozenset())
 
-    def search(self, query: np.ndarray, k: int, allowed: np.ndarray | None) -> list[tuple[int, float]]:
-        """(row of ``live``, squared L2 distance) of the k nearest allowed live rows."""
-        if len(self.vectors) == 0 or k <= 0:
-            return []
-        dist = 2.0 - 2.0 * (self.vectors @ query.astype(np.float32))
-        if allowed is not None:
-            dist = np.where(allowed, dist, np.inf)
-        k = min(k, len(dist))
-        top = np.argpartition(dist, k - 1)[:k]
-        top = top[np.argsort(dist[top], kind="stable")]
-        return [(int(i), float(dist[i])) for i in top if np.isfinite(dist[i])]
+class TailLog:
+    """The rows the lake committed after one base version, in commit order (append-only).
 
-    def advanced(self, new_rows: pa.Table, version: int) -> TailState:
-        """This tail plus rows committed up to ``version``."""
-        if new_rows.num_rows == 0:
-            return replace(self, version=version, checked_at=time.monotonic())
-        return _state(self.base_version, version, pa.concat_tables([self.rows, new_rows]))
+    One writer (the poller) appends; readers take :class:`TailState` snapshots, which see
+    a prefix of the log and never change. Appending costs work proportional to the new
+    rows: vectors go into a buffer that grows geometrically, a chunk id → newest-row map
+    says which row a new one replaces, and ACL masks per group set are extended, not
+    recomputed. A row replaced by a newer version of its chunk gets the lake version that
+    replaced it (``replaced_at``), so a snapshot at version V knows its latest rows
+    without a copy: those with ``replaced_at > V``.
+    """
 
-    def rebased(self, base_version: int) -> TailState:
-        """The tail of a newer index (built at ``base_version``): drops what that index holds."""
-        if base_version <= self.base_version:
-            return self
-        keep = self.rows.filter(pc.greater(self.rows.column("lake_version"), base_version))
-        return _state(base_version, max(self.version, base_version), keep)
+    def __init__(self, base_version: int, dim: int) -> None:
+        self.base_version = base_version
+        self.dim = dim
+        self.n = 0
+        self.version = base_version
+        self._batches: list[pa.RecordBatch] = []
+        self._vectors = np.zeros((16, dim), np.float32)
+        self._upsert = np.zeros(16, bool)
+        self._replaced_at = np.full(16, INF_VERSION, np.int64)
+        self._order: list[tuple[object, object]] = []  # (position, ingest_time) per row
+        self._newest: dict[str, int] = {}  # chunk id → row of its newest version
+        # lake versions (ascending) and the chunk ids whose first tail version each committed
+        self._first_versions: list[int] = []
+        self._first_ids: list[list[str]] = []
+        self._acl: dict[frozenset[str], np.ndarray] = {}  # group set → mask over rows [0, len)
+        self._acl_lock = threading.Lock()
+
+    def append(self, rows: pa.Table, version: int) -> None:
+        """Rows committed up to lake ``version`` (with a ``lake_version`` column, in commit order)."""
+        if version < self.version:
+            raise TailError(f"the tail is at lake version {self.version}; version {version} is older.")
+        if rows.num_rows:
+            rows = rows.select(TAIL_SCHEMA.names).cast(TAIL_SCHEMA)
+            start, count = self.n, rows.num_rows
+            self._grow(start + count)
+            upsert = np.asarray(pc.equal(rows.column("op"), "upsert").to_numpy(zero_copy_only=False), dtype=bool)
+            self._upsert[start : start + count] = upsert
+            # deletes carry no vector: only the upserts' embeddings are read
+            self._vectors[start : start + count][upsert] = embeddings(rows.filter(pa.array(upsert)), self.dim)
+            ids = rows.column("chunk_id").to_pylist()
+            positions = rows.column("position").to_pylist()
+            times = pc.fill_null(pc.cast(rows.column("ingest_time"), pa.int64()), 0).to_pylist()
+            versions = rows.column("lake_version").to_pylist()
+            for j, chunk_id in enumerate(ids):
+                row, v = start + j, versions[j]
+                order = (positions[j] or "", times[j])
+                self._order.append(order)
+                old = self._newest.get(chunk_id)
+                if old is None:
+                    self._newest[chunk_id] = row
+                    if not self._first_versions or self._first_versions[-1] != v:
+                        self._first_ids.append([])  # before the version: readers bisect the versions
+                        self._first_versions.append(v)
+                    self._first_ids[-1].append(chunk_id)
+                elif order >= self._order[old]:  # as latest_rows: greatest (position, ingest_time) wins
+                    self._replaced_at[old] = v
+                    self._newest[chunk_id] = row
+                else:  # a late, older version: never the newest
+                    self._replaced_at[row] = v
+            self._batches.extend(rows.to_batches())
+            self.n += count
+            self._compact_batches()
+        self.version = version
+
+    @property
+    def first_version(self) -> int | None:
+        return self._first_versions[0] if self._first_versions else None
+
+    def superseding(self, after: int, upto: int) -> list[tuple[int, list[str]]]:
+        """(lake version, chunk ids) of chunks whose first tail version a commit in (after, upto] wrote.
+
+        An index copy of each such chunk is stale from that version on.
+        """
+        lo = bisect.bisect_right(self._first_versions, after)
+        hi = bisect.bisect_right(self._first_versions, upto)
+        return list(zip(self._first_versions[lo:hi], self._first_ids[lo:hi], strict=True))
+
+    def _grow(self, need: int) -> None:
+        if need <= len(self._upsert):
+            return
+        size = max(need, 2 * len(self._upsert))
+        vectors = np.zeros((size, self.dim), np.float32)
+        vectors[: self.n] = self._vectors[: self.n]
+        upsert = np.zeros(size, bool)
+        upsert[: self.n] = self._upsert[: self.n]
+        replaced = np.full(size, INF_VERSION, np.int64)
+        replaced[: self.n] = self._replaced_at[: self.n]
+        # Snapshots keep the old buffers: their rows are the same, and the only change to
+        # an old row after this (a replaced_at set) is for a version they do not cover.
+        self._vectors, self._upsert, self._replaced_at = vectors, upsert, replaced
+
+    def _compact_batches(self) -> None:
+        """Merge trailing batches like a binary counter: O(log n) batches, each row copied O(log n) times."""
+        while len(self._batches) >= 2 and self._batches[-2].num_rows <= self._batches[-1].num_rows:
+            merged = pa.Table.from_batches(self._batches[-2:]).combine_chunks().to_batches(max_chunksize=None)
+            self._batches[-2:] = merged
+
+    def snapshot(self, checked_at: float | None = None) -> TailState:
+        return TailState(
+            self,
+            self.version,
+            self.n,
+            tuple(self._batches),
+            self._vectors,
+            self._upsert,
+            self._replaced_at,
+            time.monotonic() if checked_at is None else checked_at,
+        )
+
+    def acl(self, groups: frozenset[str], n: int, table: pa.Table) -> np.ndarray:
+        """The ACL mask of rows [0, n) for a group set, extended from what was computed before."""
+        with self._acl_lock:
+            known = self._acl.get(groups)
+            done = 0 if known is None else len(known)
+            if done < n:
+                extra = acl_mask(table.column("acl").slice(done, n - done), groups)
+                known = extra if known is None else np.concatenate([known, extra])
+                self._acl[groups] = known
+                while len(self._acl) > 256:  # bounded: the oldest group sets go first
+                    del self._acl[next(iter(self._acl))]
+            assert known is not None
+            return known[:n]
+
+
+TAIL_SCHEMA = CHUNKS_SCHEMA.append(pa.field("lake_version", pa.int64()))
 
 
 def _with_version(table: pa.Table, version: int) -> pa.Table:
     return table.append_column("lake_version", pa.array(np.full(table.num_rows, version, np.int64)))
 
 
-def _state(base: int, version: int, rows: pa.Table) -> TailState:
-    rows = latest_rows(rows)
-    live = rows.filter(pc.equal(rows.column("op"), "upsert"))
-    vectors = embeddings(live) if live.num_rows else np.zeros((0, 0), np.float32)
-    ids = frozenset(rows.column("chunk_id").to_pylist())
-    return TailState(base, version, rows, live, np.ascontiguousarray(vectors), ids)
+@dataclass(frozen=True, eq=False)
+class TailState:
+    """A consistent snapshot of the tail: the first ``n`` rows of a :class:`TailLog`, at ``version``."""
+
+    log: TailLog
+    version: int  # the last lake version read
+    n: int
+    batches: tuple[pa.RecordBatch, ...]
+    _vectors: np.ndarray
+    _upsert: np.ndarray
+    _replaced_at: np.ndarray
+    #: when a poll last found the tail up to date with the lake (monotonic seconds)
+    checked_at: float = field(default_factory=time.monotonic)
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def empty(cls, base_version: int, dim: int) -> TailState:
+        return TailLog(base_version, dim).snapshot()
+
+    @property
+    def base_version(self) -> int:
+        """The index's lake version: the tail holds what came after it."""
+        return self.log.base_version
+
+    @property
+    def table(self) -> pa.Table:
+        """Every row of the snapshot (all versions, upserts and deletes), with ``lake_version``."""
+        found = self._memo.get("table")
+        if found is None:
+            found = self._memo["table"] = pa.Table.from_batches(list(self.batches), TAIL_SCHEMA)
+        return found
+
+    @property
+    def live(self) -> np.ndarray:
+        """Rows that are the newest version of their chunk at this version and not deletes."""
+        found = self._memo.get("live")
+        if found is None:
+            found = self._upsert[: self.n] & (self._replaced_at[: self.n] > self.version)
+            self._memo["live"] = found
+        return found
+
+    @property
+    def live_rows(self) -> int:
+        return int(self.live.sum())
+
+    @property
+    def vectors(self) -> np.ndarray:
+        return self._vectors[: self.n]
+
+    def allowed(self, groups: frozenset[str]) -> np.ndarray:
+        """Live rows a caller in ``groups`` may see (computed once per snapshot and group set)."""
+        key = ("allowed", groups)
+        found = self._memo.get(key)
+        if found is None:
+            found = self.live & self.log.acl(groups, self.n, self.table) if self.n else self.live
+            self._memo[key] = found
+        return found
+
+    def superseding(self, after: int) -> list[tuple[int, list[str]]]:
+        """(lake version, chunk ids) whose first tail version came after ``after``, up to this snapshot."""
+        return self.log.superseding(after, self.version)
+
+    @property
+    def supersedes_any(self) -> bool:
+        """Whether any index copy is stale at this snapshot's version."""
+        return self.log.first_version is not None and self.log.first_version <= self.version
+
+    def search(self, query: np.ndarray, k: int, allowed: np.ndarray) -> list[tuple[int, float]]:
+        """(row, squared L2 distance) of the k nearest allowed rows."""
+        if self.n == 0 or k <= 0 or not allowed.any():
+            return []
+        dist = 2.0 - 2.0 * (self.vectors @ query.astype(np.float32))
+        dist = np.where(allowed, dist, np.inf)
+        k = min(k, len(dist))
+        top = np.argpartition(dist, k - 1)[:k]
+        top = top[np.argsort(dist[top], kind="stable")]
+        return [(int(i), float(dist[i])) for i in top if np.isfinite(dist[i])]
+
+    def rebased(self, base_version: int) -> TailState:
+        """The tail of a newer index (built at ``base_version``): drops what that index holds."""
+        if base_version <= self.base_version:
+            return self
+        found = self._memo.get(("rebased", base_version))
+        if found is None:
+            log = TailLog(base_version, self.log.dim)
+            table = self.table
+            keep = table.filter(pc.greater(table.column("lake_version"), base_version))
+            log.append(keep, max(self.version, base_version))
+            found = self._memo[("rebased", base_version)] = log.snapshot(self.checked_at)
+        return found
+
+    def checked(self) -> TailState:
+        """This snapshot, noted as up to date with the lake now."""
+        return replace(self, checked_at=time.monotonic(), _memo=self._memo)
 
 
 class LogReader:
@@ -155,7 +337,9 @@ class LogReader:
 def tail_at(lake: Lake, base_version: int, until: int, dim: int) -> TailState:
     """The tail of an index built at ``base_version``, as it was at lake version ``until``."""
     rows, version = LogReader(lake).read(base_version, until)
-    return TailState.empty(base_version, dim).advanced(rows, version)
+    log = TailLog(base_version, dim)
+    log.append(rows, version)
+    return log.snapshot()
 
 
 class LakeTail:
@@ -177,9 +361,10 @@ class LakeTail:
             state = self.state
             rows, version = self.log.read(state.version, limit=MAX_COMMITS_PER_POLL)
             if version == state.version:
-                self.state = replace(state, checked_at=time.monotonic())
+                self.state = state.checked()
                 return False
-            self.state = state.advanced(rows, version)
+            state.log.append(rows, version)  # the live state is always its log's newest snapshot
+            self.state = state.log.snapshot()
             return True
 
     def rebase(self, base_version: int) -> None:
@@ -212,7 +397,7 @@ class LakeTail:
                     log.info("reading the lake again")
                 self.healthy, self.last_error = True, None
             state = self.state
-            metrics.TAIL_ROWS.set(state.live.num_rows)
+            metrics.TAIL_ROWS.set(state.live_rows)
             metrics.LAKE_VERSION.set(state.version)
             metrics.TAIL_LAG.set(time.monotonic() - state.checked_at)
             if not changed:

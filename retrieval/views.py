@@ -183,7 +183,7 @@ class Views:
             "index_version": self._reader.manifest.version,
             "index_lake_version": self._reader.manifest.lake_version,
             "lake_version": state.version,
-            "tail_rows": state.live.num_rows,
+            "tail_rows": state.live_rows,
             "tail_lag_s": round(lag, 3),
         }
 

@@ -181,7 +181,7 @@ def test_compaction_commits_do_not_flood_the_tail(setup) -> None:
     table.optimize.compact()
     assert engine._tail.poll()
     state = engine._tail.state
-    assert state.version == table.version() and state.live.num_rows == 1
+    assert state.version == table.version() and state.live_rows == 1
     assert docs[1].chunk_id in ids(engine.search(docs[1].text, k=1))
 
 
