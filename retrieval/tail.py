@@ -84,7 +84,8 @@ class TailLog:
         if version < self.version:
             raise TailError(f"the tail is at lake version {self.version}; version {version} is older.")
         if rows.num_rows:
-            rows = rows.select(TAIL_SCHEMA.names).cast(TAIL_SCHEMA)
+            rows = rows.select(TAIL_SCHEMA.names)
+            rows = rows if rows.schema == TAIL_SCHEMA else rows.cast(TAIL_SCHEMA)
             start, count = self.n, rows.num_rows
             self._grow(start + count)
             upsert = np.asarray(pc.equal(rows.column("op"), "upsert").to_numpy(zero_copy_only=False), dtype=bool)

@@ -65,7 +65,9 @@ def test_ingest_to_s3(broker, real_embedder, s3_server, tmp_path: Path) -> None:
     assert_lake_matches(lake, corpus, chunker_for(real_embedder, uri))
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+# One worker is the simpler case of two: it runs with the crash tests (make test-reliability),
+# which keeps the default suite under ten minutes on 2 cores.
+@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.reliability), 2])
 def test_kill_9_mid_stream_then_restart_equals_a_clean_run(broker, real_embedder, tmp_path: Path, workers: int) -> None:
     topic = f"cdc.app.public.docs_crash{workers}"
     corpus = make_corpus(seed=30 + workers, docs=120, updates=60, deletes=10)

@@ -111,15 +111,20 @@ def test_an_incremental_tail_equals_one_rebuilt_from_scratch_at_every_snapshot(
 
 def test_ten_thousand_single_row_commits() -> None:
     """The shape of a quiet stream: one row per commit, many updates of few chunks, ACL changes."""
-    log = TailLog(0, DIM)
-    commits = []
     rng = np.random.default_rng(7)
-    for version in range(1, 10_001):
-        chunk = int(rng.integers(0, 500))
-        rows = commit_rows([(chunk, version, bool(rng.random() < 0.1), int(rng.integers(0, 4)))], version, version)
-        commits.append(rows)
+    n = 10_000
+    changes = [
+        (int(rng.integers(0, 500)), v, bool(rng.random() < 0.1), int(rng.integers(0, 4))) for v in range(1, n + 1)
+    ]
+    everything = commit_rows(changes, 0, 7).combine_chunks()
+    everything = everything.set_column(
+        everything.num_columns - 1, "lake_version", pa.array(range(1, n + 1), pa.int64())
+    )
+    log = TailLog(0, DIM)
+    commits = [everything.slice(v - 1, 1) for v in range(1, n + 1)]
+    for version, rows in enumerate(commits, start=1):
         log.append(rows, version)
     state = log.snapshot()
-    assert state.n == 10_000 and len(state.batches) <= 15  # merged like a binary counter: log2(10k) + 1
+    assert state.n == n and len(state.batches) <= 15  # merged like a binary counter: log2(10k) + 1
     query = rng.normal(size=DIM).astype(np.float32)
     check(state, commits, query / np.linalg.norm(query))
