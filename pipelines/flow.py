@@ -20,6 +20,7 @@ from bytewax.dataflow import Dataflow, Stream
 from bytewax.inputs import Source
 
 from pipelines import metrics
+from pipelines.batching import adaptive_collect
 from pipelines.chunking import Chunker
 from pipelines.debezium import decode
 from pipelines.docstate import DocState, apply_change
@@ -133,7 +134,8 @@ def build_flow(
     by_writer = op.key_on(
         "key-by-writer", op.key_rm("drop-doc-key", updates), lambda u: rt.writer_key(u.doc_id)
     )  # (writer, DocUpdate)
-    batches = op.collect("micro-batch", by_writer, batch_timeout, settings.batch_max_events)  # (writer, [DocUpdate])
+    # (writer, [DocUpdate]): a lone change goes at once, a backlog batches (pipelines.batching)
+    batches = adaptive_collect("micro-batch", by_writer, batch_timeout, settings.batch_max_events)
     rows = op.map_value("embed", batches, rt.batch_embedder.rows)  # (writer, pa.Table)
     op.output("lake-chunks", rows, LakeSink(rt.lake, CHUNKS, settings))
 
