@@ -59,7 +59,15 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--addresses", help="host:port of every cluster process, ';'-separated, in process-id order")
     p.add_argument("--epoch-interval", type=float, dest="epoch_interval_s", help="seconds between snapshots (2)")
     p.add_argument("--batch-max-events", type=int, help="most changes per embedding micro-batch (256)")
-    p.add_argument("--batch-timeout-ms", type=int, help="longest wait to fill a micro-batch (200)")
+    p.add_argument(
+        "--batch-timeout-ms",
+        type=int,
+        help="longest wait to fill a micro-batch under a backlog (200); a lone change waits none",
+    )
+    p.add_argument(
+        "--notices-topic",
+        help="Kafka topic announcing each lake commit to serving replicas (streamrag.commits; '' for none)",
+    )
     p.add_argument("--chunk-max-tokens", type=int, help="chunk size budget in tokens (200)")
     add_openlineage_arg(p)
     p.set_defaults(func=cmd_ingest)

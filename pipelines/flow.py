@@ -10,7 +10,7 @@ import logging
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
-from functools import cached_property
+from functools import cached_property, partial
 from typing import TypeGuard, cast
 
 import bytewax.operators as op
@@ -29,6 +29,7 @@ from pipelines.kafka_io import DeadLetterProducer, IdleStoppingKafkaSource, Sour
 from pipelines.lake import CHUNKS, DEAD_LETTERS, Lake, check_model
 from pipelines.lake_sink import LakeSink
 from pipelines.mapping import MappingConfig
+from pipelines.notices import NoticePublisher
 from pipelines.records import ChangeEvent, DeadLetter, DocUpdate
 from pipelines.settings import IngestSettings
 from serving.embedder import Embedder, load_embedder
@@ -137,7 +138,11 @@ def build_flow(
     # (writer, [DocUpdate]): a lone change goes at once, a backlog batches (pipelines.batching)
     batches = adaptive_collect("micro-batch", by_writer, batch_timeout, settings.batch_max_events)
     rows = op.map_value("embed", batches, rt.batch_embedder.rows)  # (writer, pa.Table)
-    op.output("lake-chunks", rows, LakeSink(rt.lake, CHUNKS, settings))
+    notices: Callable[[], NoticePublisher] | None = None  # one publisher per sink partition
+    if settings.notices_topic and isinstance(source, IdleStoppingKafkaSource):  # tests' own sources have no broker
+        notices = partial(NoticePublisher, settings.bootstrap, settings.notices_topic, settings.kafka_config)
+
+    op.output("lake-chunks", rows, LakeSink(rt.lake, CHUNKS, settings, notices=notices))
 
     dead = cast(Stream[DeadLetter], split.falses)  # a TypeGuard narrows only the trues
     letters = op.key_on(

@@ -18,6 +18,7 @@ from bytewax.outputs import FixedPartitionedSink, StatefulSinkPartition
 from pipelines import metrics
 from pipelines.lake import CHUNKS, Lake
 from pipelines.lake_writer import LakeWriter
+from pipelines.notices import CommitNotice, NoticePublisher
 from pipelines.settings import IngestSettings
 
 log = logging.getLogger(__name__)
@@ -27,9 +28,15 @@ State = tuple[int, int] | int  # (seq, horizon); a bare seq from older recovery 
 
 
 class _LakePartition(StatefulSinkPartition[pa.Table, State]):
-    def __init__(self, writer: LakeWriter, before_commit: Callable[[pa.Table], None] | None) -> None:
+    def __init__(
+        self,
+        writer: LakeWriter,
+        before_commit: Callable[[pa.Table], None] | None,
+        notices: NoticePublisher | None = None,
+    ) -> None:
         self._writer = writer
         self._before_commit = before_commit
+        self._notices = notices
 
     def write_batch(self, values: list[pa.Table]) -> None:
         rows = pa.concat_tables(values)
@@ -40,6 +47,12 @@ class _LakePartition(StatefulSinkPartition[pa.Table, State]):
             return
         metrics.COMMITS.labels(table).inc()
         metrics.ROWS.labels(table).inc(written.num_rows)
+        if self._notices is not None:
+            w = self._writer
+            notice = CommitNotice(
+                w.lake.uri, table, w.table_version, w.app_id, written.num_rows, int(time.time() * 1000)
+            )
+            self._notices.publish(notice)
         if table == CHUNKS:
             now = time.time()
             for ts in written.column("event_time").to_pylist():
@@ -50,7 +63,8 @@ class _LakePartition(StatefulSinkPartition[pa.Table, State]):
         return self._writer.recovery_state
 
     def close(self) -> None:
-        pass
+        if self._notices is not None:
+            self._notices.close()
 
 
 class LakeSink(FixedPartitionedSink[pa.Table, State]):
@@ -58,7 +72,12 @@ class LakeSink(FixedPartitionedSink[pa.Table, State]):
     ``<job>:<table>:<i>``."""
 
     def __init__(
-        self, lake: Lake, table: str, settings: IngestSettings, before_commit: Callable[[pa.Table], None] | None = None
+        self,
+        lake: Lake,
+        table: str,
+        settings: IngestSettings,
+        before_commit: Callable[[pa.Table], None] | None = None,
+        notices: Callable[[], NoticePublisher] | None = None,
     ) -> None:
         self._lake = lake
         self._table = table
@@ -66,6 +85,7 @@ class LakeSink(FixedPartitionedSink[pa.Table, State]):
         self._job = settings.job_name
         self._compact_every = settings.compact_every
         self._before_commit = before_commit
+        self._notices = notices
 
     def list_parts(self) -> list[str]:
         return [f"{self._job}:{self._table}:{i:03d}" for i in range(self._writers)]
@@ -78,4 +98,4 @@ class LakeSink(FixedPartitionedSink[pa.Table, State]):
         compact = self._compact_every if for_part.endswith(":000") else 0
         seq, horizon = resume_state if isinstance(resume_state, tuple) else (resume_state, None)
         writer = LakeWriter(self._lake, self._table, for_part, seq, compact_every=compact, resume_horizon=horizon)
-        return _LakePartition(writer, self._before_commit)
+        return _LakePartition(writer, self._before_commit, self._notices() if self._notices else None)

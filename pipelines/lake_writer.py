@@ -81,6 +81,11 @@ class LakeWriter:
             log.info("%s: %d rows committed after the snapshot will be skipped on replay", app_id, len(self._skip))
 
     @property
+    def table_version(self) -> int:
+        """The table's version as this writer last saw it (after its own last commit)."""
+        return self._dt.version()
+
+    @property
     def recovery_state(self) -> tuple[int, int]:
         """(seq, horizon) for the recovery snapshot: see the module docstring."""
         return self.seq, (self._horizon if self._skip else self.seq)

@@ -21,3 +21,11 @@ LAG = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 3600),
 )
 EMBED_SECONDS = Histogram("streamrag_ingest_embed_seconds", "Time embedding one micro-batch")
+NOTICES = Counter(
+    "streamrag_commit_notices_total", "Commit notices: sent and failed (ingest), received (serve)", ["outcome"]
+)
+NOTICE_DELAY = Histogram(
+    "streamrag_commit_notice_delay_seconds",
+    "Lake commit to its notice reaching a serving replica",
+    buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)

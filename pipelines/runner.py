@@ -70,6 +70,8 @@ def ensure_dead_letter_topics(settings: IngestSettings) -> None:
             )
         partitions = len(topics[topic].partitions or {}) or 1
         ensure_topics(settings.bootstrap, [topic + settings.dlq_suffix], partitions=partitions)
+    if settings.notices_topic:
+        ensure_topics(settings.bootstrap, [settings.notices_topic], partitions=1)
 
 
 def _recovery(settings: IngestSettings) -> RecoveryConfig | None:

@@ -18,6 +18,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipelines.storage import ObjectStoreSettings
 
+DEFAULT_NOTICES_TOPIC = "streamrag.commits"  # pipelines.notices; next to the CDC topics
+
 
 class IngestSettings(BaseSettings):
     """``streamrag ingest`` options; also read from ``STREAMRAG_INGEST_*`` variables so
@@ -45,6 +47,7 @@ class IngestSettings(BaseSettings):
     embed_token_budget: int = Field(8192, ge=64)
     vector_cache_size: int = Field(50_000, ge=0)
     dlq_suffix: str = ".dlq"
+    notices_topic: str = Field(DEFAULT_NOTICES_TOPIC, pattern=r"^[A-Za-z0-9._-]*$")  # "": no notices
     compact_every: int = Field(500, ge=0)
     metrics_port: int | None = Field(None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"

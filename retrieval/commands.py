@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipelines.commands import add_kafka_config_arg
 from pipelines.settings import from_args
 from pipelines.storage import ObjectStoreSettings
 from retrieval.settings import EngineSettings, SearchSettings, ServeSettings
@@ -50,7 +51,15 @@ def add_commands(sub: Any) -> None:
         metavar="PER_S",
         help="requests/s per principal, bursts of twice that, 429 beyond (default 0: off; set it when exposed)",
     )
-    p.add_argument("--tail-poll", type=float, help="seconds between polls of the lake (0.5)")
+    p.add_argument(
+        "--tail-poll", type=float, help="seconds between polls of the lake (0.5; 2 when following commit notices)"
+    )
+    p.add_argument(
+        "--bootstrap",
+        help="Kafka bootstrap servers: follow the ingest job's commit notices and read each commit at once",
+    )
+    p.add_argument("--notices-topic", help="the ingest job's --notices-topic (streamrag.commits)")
+    add_kafka_config_arg(p)
     p.add_argument("--index-poll", type=float, help="seconds between checks for a new index (5)")
     p.add_argument(
         "--generator-url",
@@ -127,10 +136,14 @@ def _engine(config: EngineSettings) -> Any:
     from serving.embedder import load_embedder
 
     settings = ObjectStoreSettings.from_env()
+    following = bool(getattr(config, "bootstrap", None))  # serve follows commit notices: poll as a fallback
     memory = config.cache_memory_mb << 20
     cache = ShardCache(config.cache_dir or default_cache_dir(), memory, config.cache_disk_mb << 20)
     options = EngineOptions(
-        nprobe=config.nprobe, tail_poll_s=config.tail_poll, index_poll_s=config.index_poll, prefetch_bytes=memory
+        nprobe=config.nprobe,
+        tail_poll_s=config.tail_poll or (2.0 if following else 0.5),
+        index_poll_s=config.index_poll,
+        prefetch_bytes=memory,
     )
     embedder = load_embedder(config.model, device=config.device)
     return SearchEngine(Lake.at(config.lake, settings), open_store(config.index, settings), embedder, cache, options)
@@ -214,11 +227,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from pipelines.lake import CHUNKS
+    from pipelines.notices import NoticeFollower
+    from pipelines.secrets import kafka_config
     from retrieval.api import create_app
     from retrieval.auth import Tokens
     from retrieval.lineage import Lineage
 
-    config = from_args(ServeSettings, args)
+    config = from_args(ServeSettings, args, cli_only=("kafka_config",), kafka_config=kafka_config(args.kafka_config))
     problem = bind_error(config.host, config.port)
     if problem is not None:
         raise ValueError(f"cannot listen on {config.host}:{config.port} ({problem.strerror}); pick another --port.")
@@ -236,9 +252,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stop = threading.Event()
         loader = threading.Thread(target=_load_in_background, args=(engine, stop), name="engine-loader", daemon=True)
         audit = answerer.audit if answerer is not None else None
+        startup, shutdown = [loader.start], [stop.set, engine.stop]
+        if config.bootstrap:
+            notices = NoticeFollower(
+                config.bootstrap, config.notices_topic, config.lake, CHUNKS, engine.notify, config.kafka_config
+            )
+            startup.append(notices.start)
+            shutdown.insert(0, notices.stop)
         app = create_app(
             engine, tokens, answerer, Lineage(engine.lake, audit), config.rate_limit or None,
-            on_startup=[loader.start], on_shutdown=[stop.set, engine.stop],
+            on_startup=startup, on_shutdown=shutdown,
         )  # fmt: skip
         # log_config=None: uvicorn's records go through our (redacting) handlers.
         server = uvicorn.Server(

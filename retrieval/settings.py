@@ -13,6 +13,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipelines.settings import DEFAULT_NOTICES_TOPIC
+
 
 class EngineSettings(BaseSettings):
     """What every command that searches needs: the lake, the index and how to read them."""
@@ -27,7 +29,9 @@ class EngineSettings(BaseSettings):
     cache_dir: Path | None = Field(None, description="disk cache for shards (~/.cache/streamrag/shards)")
     cache_memory_mb: int = Field(2048, ge=1)
     cache_disk_mb: int = Field(20480, ge=1)
-    tail_poll: float = Field(0.5, gt=0, description="seconds between polls of the lake")
+    tail_poll: float | None = Field(
+        None, gt=0, description="seconds between polls of the lake (0.5; 2 when following commit notices)"
+    )
     index_poll: float = Field(5.0, gt=0, description="seconds between checks for a new index version")
 
 
@@ -57,6 +61,9 @@ class ServeSettings(EngineSettings):
     no_answers: bool = False
     no_audit: bool = False
     audit_dead_letters: Path | None = None
+    bootstrap: str | None = Field(None, description="Kafka bootstrap servers: follow the ingest job's commit notices")
+    notices_topic: str = Field(DEFAULT_NOTICES_TOPIC, min_length=1)
+    kafka_config: dict[str, str] = Field(default_factory=dict, repr=False)  # may hold SASL passwords
 
 
 class SearchSettings(EngineSettings):

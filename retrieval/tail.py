@@ -354,19 +354,41 @@ class LakeTail:
         self.last_error: str | None = None
         self._lock = threading.Lock()  # one poll or rebase at a time
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._notified = base_version  # the newest lake version a commit notice named
         self._thread: threading.Thread | None = None
+
+    def notify(self, version: int) -> None:
+        """A commit notice: lake version ``version`` exists; read it now rather than at the next poll.
+
+        Notices may be lost, duplicated or reordered: the tail reads each version once,
+        in order, whatever woke it, and polls anyway.
+        """
+        if version > self._notified:
+            self._notified = version
+        self._wake.set()
 
     def poll(self) -> bool:
         """Read what the lake committed since the last poll; True if the tail changed."""
         with self._lock:
             state = self.state
-            rows, version = self.log.read(state.version, limit=MAX_COMMITS_PER_POLL)
+            rows, version = self._read_named(state.version) or self.log.read(state.version, limit=MAX_COMMITS_PER_POLL)
             if version == state.version:
                 self.state = state.checked()
                 return False
             state.log.append(rows, version)  # the live state is always its log's newest snapshot
             self.state = state.log.snapshot()
             return True
+
+    def _read_named(self, after: int) -> tuple[pa.Table, int] | None:
+        """The commits notices named after ``after``, without probing for the next one; None if none."""
+        named = min(self._notified, after + MAX_COMMITS_PER_POLL)
+        if named <= after:
+            return None
+        try:
+            return self.log.read(after, until=named)
+        except TailError:  # a notice ahead of the log it names: read what is there instead
+            return None
 
     def rebase(self, base_version: int) -> None:
         with self._lock:
@@ -378,6 +400,7 @@ class LakeTail:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(10)
 
@@ -385,6 +408,7 @@ class LakeTail:
         from retrieval import metrics
 
         while not self._stop.is_set():
+            self._wake.clear()  # before reading: a notice that comes during the read wakes the next wait
             try:
                 changed = self.poll()
             except Exception as exc:  # noqa: BLE001 - keep serving what we have; report and retry
@@ -401,5 +425,5 @@ class LakeTail:
             metrics.TAIL_ROWS.set(state.live_rows)
             metrics.LAKE_VERSION.set(state.version)
             metrics.TAIL_LAG.set(time.monotonic() - state.checked_at)
-            if not changed:
-                self._stop.wait(self.poll_s)
+            if not changed:  # else read on at once: more commits may be waiting
+                self._wake.wait(self.poll_s)

@@ -108,6 +108,11 @@ class Views:
             self._watcher = threading.Thread(target=self._watch_index, name="index-watcher", daemon=True)
             self._watcher.start()
 
+    def notify(self, lake_version: int) -> None:
+        """A commit notice named this lake version: the tail reads it now (see pipelines.notices)."""
+        if self._tail is not None:
+            self._tail.notify(lake_version)
+
     def stop(self) -> None:
         self._stop.set()
         if self._tail is not None:

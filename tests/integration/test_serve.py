@@ -93,9 +93,11 @@ def service(broker: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
         json.dumps({"tokens": {t: {"principal": p, "groups": g} for t, (p, g) in TOKENS.items()}})
     )
     port = free_port()
+    # The lake is polled only every 30 s: every change these tests wait for must arrive by the
+    # ingest job's commit notices (pipelines/notices.py), within the tests' 10 s deadlines.
     proc = start(["serve", "--lake", lake, "--index", index, "--port", str(port), "--tokens", str(tmp / "tokens.yaml"),
-                  "--tail-poll", "0.2", "--index-poll", "0.5", "--cache-dir", str(tmp / "cache"), "--no-answers"],
-                 None, tmp / "serve.log")  # fmt: skip
+                  "--bootstrap", broker, "--tail-poll", "30", "--index-poll", "0.5", "--cache-dir", str(tmp / "cache"),
+                  "--no-answers"], None, tmp / "serve.log")  # fmt: skip
     svc.url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(svc.url, proc)
@@ -229,6 +231,8 @@ def test_metrics(service: Service) -> None:
                  "streamrag_tail_rows", "streamrag_tail_lag_seconds", "streamrag_index_version"):  # fmt: skip
         assert name in text, name
     assert 'route="/v1/search"' in text
+    received = [line for line in text.splitlines() if line.startswith("streamrag_commit_notices_total{")]
+    assert any('outcome="received"' in line and float(line.split()[-1]) > 0 for line in received), received
 
 
 def test_search_cli_uses_the_same_engine(service: Service) -> None:
