@@ -333,7 +333,8 @@ def _freshness(work: Path, updates: int, rate: float, store: str, lake: str, ind
             producer.produce(topic, *reversed(envelope(pk, body, lsn)))
         producer.flush(30)
         ingest = [*CLI, "ingest", "--bootstrap", bootstrap, "--topic", topic, "--lake", lake,
-                  "--recovery-dir", str(work / f"fresh-recovery-{store}"), "--batch-max-events", "16"]  # fmt: skip
+                  "--recovery-dir", str(work / f"fresh-recovery-{store}"), "--batch-max-events", "16",
+                  *os.environ.get("FRESH_EXTRA", "").split()]  # fmt: skip
         out = subprocess.run([*ingest, "--until-idle", "4"], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-2000:]
         out = subprocess.run([*CLI, "index", "build", "--lake", lake, "--index", index,
