@@ -96,10 +96,11 @@ class _Staleness:
 def _stale(shard: LoadedShard, tail: TailState) -> np.ndarray | None:
     """Entries of the shard that the tail holds a newer version of (None: none)."""
     key = ("stale", tail.base_version)
-    with _MEMO_LOCK:
-        staleness = shard.derived.get(key)
-        if staleness is None:
-            staleness = shard.derived[key] = _Staleness(shard, tail.base_version)
+    staleness: _Staleness | None = shard.derived.get(key)
+    if staleness is None:
+        made = _Staleness(shard, tail.base_version)  # outside the lock: it hashes every chunk id once
+        with _MEMO_LOCK:
+            staleness = shard.derived.setdefault(key, made)
     return staleness.mask(tail)
 
 
