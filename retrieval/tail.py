@@ -19,33 +19,21 @@ so a query sees one consistent tail while the poller appends the next commit:
 from __future__ import annotations
 
 import bisect
-import io
-import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
-from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from indexing.store import NotFound, ObjectStore, open_store
-from pipelines.lake import CHUNKS, CHUNKS_SCHEMA, Lake, embeddings
+from pipelines.lake import Lake, embeddings
 from retrieval.acl import acl_mask
+from retrieval.delta_log import MAX_COMMITS_PER_POLL, TAIL_SCHEMA, LogReader, TailError
 
 log = logging.getLogger(__name__)
-
-#: read at most this many commits per poll, so a far-behind tail still publishes progress
-MAX_COMMITS_PER_POLL = 200
-
-
-class TailError(Exception):
-    """The lake's log cannot be followed from the requested version."""
-
 
 INF_VERSION = np.iinfo(np.int64).max
 
@@ -177,13 +165,6 @@ class TailLog:
             return known[:n]
 
 
-TAIL_SCHEMA = CHUNKS_SCHEMA.append(pa.field("lake_version", pa.int64()))
-
-
-def _with_version(table: pa.Table, version: int) -> pa.Table:
-    return table.append_column("lake_version", pa.array(np.full(table.num_rows, version, np.int64)))
-
-
 @dataclass(frozen=True, eq=False)
 class TailState:
     """A consistent snapshot of the tail: the first ``n`` rows of a :class:`TailLog`, at ``version``."""
@@ -278,61 +259,6 @@ class TailState:
     def checked(self) -> TailState:
         """This snapshot, noted as up to date with the lake now."""
         return replace(self, checked_at=time.monotonic(), _memo=self._memo)
-
-
-class LogReader:
-    """Reads the rows that commits of the ``chunks`` table added."""
-
-    def __init__(self, lake: Lake) -> None:
-        self.store: ObjectStore = open_store(lake.table_uri(CHUNKS), lake.store)
-
-    def commit(self, version: int) -> list[str] | None:
-        """Data files that ``version`` added with new data; None if it does not exist yet."""
-        try:
-            raw = self.store.get(f"_delta_log/{version:020d}.json")
-        except NotFound:
-            return None
-        files = []
-        for line in raw.decode().splitlines():
-            if not line.strip():
-                continue
-            action = json.loads(line)
-            add = action.get("add")
-            if add and add.get("dataChange", True):
-                files.append(unquote(add["path"]))
-        return files
-
-    def rows(self, path: str, version: int) -> pa.Table:
-        if "://" in path:
-            raise TailError(f"data file {path} is outside the table; absolute paths are not supported.")
-        table = pq.read_table(io.BytesIO(self.store.get(path)))
-        table = table.select([n for n in CHUNKS_SCHEMA.names if n in table.column_names])
-        table = table.cast(pa.schema([CHUNKS_SCHEMA.field(n) for n in table.column_names]))
-        for column in CHUNKS_SCHEMA:  # files written before a column existed: nulls, one schema for all
-            if column.name not in table.column_names:
-                table = table.append_column(column, pa.nulls(table.num_rows, column.type))
-        return _with_version(table.select(CHUNKS_SCHEMA.names), version)
-
-    def read(self, after: int, until: int | None = None, limit: int | None = None) -> tuple[pa.Table, int]:
-        """Rows of the commits after version ``after`` (up to ``until``); the last version read."""
-        tables: list[pa.Table] = []
-        version = after
-        while until is None or version < until:
-            if limit is not None and version - after >= limit:
-                break
-            files = self.commit(version + 1)
-            if files is None:
-                if until is not None:
-                    raise TailError(
-                        f"lake version {version + 1} is missing from the log of {self.store.root} "
-                        "(not written yet, or cleaned up)."
-                    )
-                break
-            version += 1
-            tables.extend(self.rows(f, version) for f in files)
-        if not tables:
-            return _with_version(CHUNKS_SCHEMA.empty_table(), 0), version
-        return pa.concat_tables(tables, promote_options="permissive"), version
 
 
 def tail_at(lake: Lake, base_version: int, until: int, dim: int) -> TailState:

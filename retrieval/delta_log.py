@@ -1,0 +1,88 @@
+"""Reading the ``chunks`` table's Delta log: the rows each commit added with new data.
+
+The tail (``retrieval.tail``) follows the log one commit file per version: each version
+costs one GET, and only the data files a commit *added with new data* are read
+(compaction rewrites carry ``dataChange: false`` and are skipped).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from urllib.parse import unquote
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from indexing.store import NotFound, ObjectStore, open_store
+from pipelines.lake import CHUNKS, CHUNKS_SCHEMA, Lake
+
+#: read at most this many commits per poll, so a far-behind tail still publishes progress
+MAX_COMMITS_PER_POLL = 200
+
+
+class TailError(Exception):
+    """The lake's log cannot be followed from the requested version."""
+
+
+TAIL_SCHEMA = CHUNKS_SCHEMA.append(pa.field("lake_version", pa.int64()))
+
+
+def with_version(table: pa.Table, version: int) -> pa.Table:
+    return table.append_column("lake_version", pa.array(np.full(table.num_rows, version, np.int64)))
+
+
+class LogReader:
+    """Reads the rows that commits of the ``chunks`` table added."""
+
+    def __init__(self, lake: Lake) -> None:
+        self.store: ObjectStore = open_store(lake.table_uri(CHUNKS), lake.store)
+
+    def commit(self, version: int) -> list[str] | None:
+        """Data files that ``version`` added with new data; None if it does not exist yet."""
+        try:
+            raw = self.store.get(f"_delta_log/{version:020d}.json")
+        except NotFound:
+            return None
+        files = []
+        for line in raw.decode().splitlines():
+            if not line.strip():
+                continue
+            action = json.loads(line)
+            add = action.get("add")
+            if add and add.get("dataChange", True):
+                files.append(unquote(add["path"]))
+        return files
+
+    def rows(self, path: str, version: int) -> pa.Table:
+        if "://" in path:
+            raise TailError(f"data file {path} is outside the table; absolute paths are not supported.")
+        table = pq.read_table(io.BytesIO(self.store.get(path)))
+        table = table.select([n for n in CHUNKS_SCHEMA.names if n in table.column_names])
+        table = table.cast(pa.schema([CHUNKS_SCHEMA.field(n) for n in table.column_names]))
+        for column in CHUNKS_SCHEMA:  # files written before a column existed: nulls, one schema for all
+            if column.name not in table.column_names:
+                table = table.append_column(column, pa.nulls(table.num_rows, column.type))
+        return with_version(table.select(CHUNKS_SCHEMA.names), version)
+
+    def read(self, after: int, until: int | None = None, limit: int | None = None) -> tuple[pa.Table, int]:
+        """Rows of the commits after version ``after`` (up to ``until``); the last version read."""
+        tables: list[pa.Table] = []
+        version = after
+        while until is None or version < until:
+            if limit is not None and version - after >= limit:
+                break
+            files = self.commit(version + 1)
+            if files is None:
+                if until is not None:
+                    raise TailError(
+                        f"lake version {version + 1} is missing from the log of {self.store.root} "
+                        "(not written yet, or cleaned up)."
+                    )
+                break
+            version += 1
+            tables.extend(self.rows(f, version) for f in files)
+        if not tables:
+            return with_version(CHUNKS_SCHEMA.empty_table(), 0), version
+        return pa.concat_tables(tables, promote_options="permissive"), version
