@@ -253,4 +253,5 @@ def build_index(
         centroids=centroids_ref,
         shards=shards,
         stats=stats,
+        writer_seqs=snap.writer_seqs,
     )

@@ -21,7 +21,7 @@ import itertools
 import json
 import logging
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -69,6 +69,8 @@ class Manifest:
     shards: list[ShardRef]
     stats: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    #: each lake writer's last commit number at ``lake_version`` (empty in older manifests)
+    writer_seqs: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
@@ -83,7 +85,8 @@ class Manifest:
             ShardRef(FileRef(**s["index"]), FileRef(**s["ids"]), s["list_start"], s["list_end"], s["count"])
             for s in obj["shards"]
         ]
-        return cls(**obj)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in obj.items() if k in known})  # newer writers' extra keys are ignored
 
     def shard_for_list(self, list_no: int) -> int:
         for i, shard in enumerate(self.shards):

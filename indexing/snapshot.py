@@ -7,7 +7,7 @@ by each builder straight from the lake files of its own partition.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -38,6 +38,9 @@ class Snapshot:
     dim: int
     count: int
     files: tuple[FileRows, ...]
+    #: each lake writer's last commit number in the snapshot: the rows after it are exactly
+    #: those with a greater ``writer_seq`` (how a tail is rebuilt once the log is cleaned up)
+    writer_seqs: dict[str, int] = field(default_factory=dict)
 
     def partitions(self, n: int) -> list[list[FileRows]]:
         """Files spread over n partitions, balanced by live rows (largest first)."""
@@ -65,7 +68,7 @@ def plan(lake: Lake, version: int | None = None) -> Snapshot:
     dataset = table.to_pyarrow_dataset()
     pieces = []
     for fragment in dataset.get_fragments():
-        meta = fragment.to_table(columns=["chunk_id", "position", "ingest_time", "op", "model"])
+        meta = fragment.to_table(columns=["chunk_id", "position", "ingest_time", "op", "model", "writer", "writer_seq"])
         n = meta.num_rows
         meta = meta.append_column("_file", pa.array([fragment.path] * n, pa.string()))
         pieces.append(meta.append_column("_row", pa.array(np.arange(n, dtype=np.int64))))
@@ -88,7 +91,18 @@ def plan(lake: Lake, version: int | None = None) -> Snapshot:
     for path, row in zip(live.column("_file").to_pylist(), live.column("_row").to_pylist(), strict=True):
         by_file.setdefault(path, []).append(int(row))
     files = tuple(FileRows(p, tuple(sorted(r))) for p, r in sorted(by_file.items()))
-    return Snapshot(lake, table.version(), model, dim, live.num_rows, files)
+    return Snapshot(lake, table.version(), model, dim, live.num_rows, files, writer_seqs(meta))
+
+
+def writer_seqs(rows: pa.Table) -> dict[str, int]:
+    """The greatest ``writer_seq`` of each writer among ``rows`` (rows without a writer are left out)."""
+    tagged = rows.filter(pc.is_valid(rows.column("writer")))
+    if tagged.num_rows == 0:
+        return {}
+    grouped = tagged.group_by("writer").aggregate([("writer_seq", "max")])
+    return {
+        str(w): int(s) for w, s in zip(*grouped.select(["writer", "writer_seq_max"]).to_pydict().values(), strict=True)
+    }
 
 
 def load_partition(lake: Lake, version: int, files: list[FileRows]) -> Partition:

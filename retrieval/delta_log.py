@@ -13,6 +13,8 @@ from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from indexing.store import NotFound, ObjectStore, open_store
@@ -55,6 +57,20 @@ class LogReader:
                 files.append(unquote(add["path"]))
         return files
 
+    def cleaned_up(self, after: int) -> bool:
+        """Whether lake version ``after + 1`` was committed but its log file is gone.
+
+        Delta removes old log files only behind a checkpoint, so a checkpoint at or past
+        that version with no commit file for it means the log was cleaned up there.
+        """
+        try:
+            checkpoint = json.loads(self.store.get("_delta_log/_last_checkpoint"))
+        except NotFound:
+            return False
+        except ValueError as exc:  # being rewritten: look again at the next poll
+            raise TailError(f"unreadable _last_checkpoint in {self.store.root}: {exc}") from exc
+        return int(checkpoint.get("version", -1)) > after and self.commit(after + 1) is None
+
     def rows(self, path: str, version: int) -> pa.Table:
         if "://" in path:
             raise TailError(f"data file {path} is outside the table; absolute paths are not supported.")
@@ -86,3 +102,29 @@ class LogReader:
         if not tables:
             return with_version(CHUNKS_SCHEMA.empty_table(), 0), version
         return pa.concat_tables(tables, promote_options="permissive"), version
+
+
+def rows_after(lake: Lake, writer_seqs: dict[str, int]) -> tuple[pa.Table, int]:
+    """The rows committed after the point that ``writer_seqs`` describes, read from the table's
+    current snapshot rather than its log; all tagged with that snapshot's version.
+
+    Each lake writer numbers its commits, and every row carries its writer's number, so the
+    rows after an index's snapshot are exactly those whose ``writer_seq`` exceeds what the
+    index's manifest recorded for their writer (writers it never saw: all their rows).
+    Which commit wrote each row is no longer known, so ``lake_version`` is the snapshot's.
+    """
+    table = lake.table(CHUNKS)
+    dataset = table.to_pyarrow_dataset()
+    known = list(writer_seqs)
+    after = ~ds.field("writer").isin(known) if known else ds.scalar(True)
+    for writer, seq in writer_seqs.items():
+        after = after | ((ds.field("writer") == writer) & (ds.field("writer_seq") > seq))
+    present = [n for n in CHUNKS_SCHEMA.names if n in dataset.schema.names]
+    rows = dataset.to_table(columns=present, filter=after & ds.field("writer").is_valid())
+    for column in CHUNKS_SCHEMA:
+        if column.name not in rows.column_names:
+            rows = rows.append_column(column, pa.nulls(rows.num_rows, column.type))
+    rows = rows.select(CHUNKS_SCHEMA.names).cast(CHUNKS_SCHEMA)
+    # Commit order within the tail: by writer and commit number (positions order each document).
+    rows = rows.take(pc.sort_indices(rows, [("writer", "ascending"), ("writer_seq", "ascending")]))
+    return with_version(rows, table.version()), table.version()

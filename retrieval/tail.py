@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 
 from pipelines.lake import Lake, embeddings
 from retrieval.acl import acl_mask
-from retrieval.delta_log import MAX_COMMITS_PER_POLL, TAIL_SCHEMA, LogReader, TailError
+from retrieval.delta_log import MAX_COMMITS_PER_POLL, TAIL_SCHEMA, LogReader, TailError, rows_after
 
 log = logging.getLogger(__name__)
 
@@ -272,9 +272,22 @@ def tail_at(lake: Lake, base_version: int, until: int, dim: int) -> TailState:
 class LakeTail:
     """Follows the lake in a background thread; ``state`` is always a consistent tail."""
 
-    def __init__(self, lake: Lake, base_version: int, dim: int, poll_s: float = 0.5) -> None:
-        self.log = LogReader(lake)
+    #: how often an idle tail checks whether the log was cleaned up past it (one GET)
+    CLEANUP_CHECK_S = 10.0
+
+    def __init__(
+        self,
+        lake: Lake,
+        base_version: int,
+        dim: int,
+        poll_s: float = 0.5,
+        writer_seqs: dict[str, int] | None = None,
+    ) -> None:
+        self.lake = lake
+        self.reader = LogReader(lake)
         self.state = TailState.empty(base_version, dim)
+        self.writer_seqs = writer_seqs  # the index's writers' commit numbers at base_version
+        self._cleanup_checked = 0.0
         self.poll_s = poll_s
         self.healthy = True
         self.last_error: str | None = None
@@ -298,8 +311,13 @@ class LakeTail:
         """Read what the lake committed since the last poll; True if the tail changed."""
         with self._lock:
             state = self.state
-            rows, version = self._read_named(state.version) or self.log.read(state.version, limit=MAX_COMMITS_PER_POLL)
+            rows, version = self._read_named(state.version) or self.reader.read(
+                state.version, limit=MAX_COMMITS_PER_POLL
+            )
             if version == state.version:
+                if self._log_cleaned_up(state.version):
+                    self.state = self._from_snapshot(state)
+                    return True
                 self.state = state.checked()
                 return False
             state.log.append(rows, version)  # the live state is always its log's newest snapshot
@@ -312,13 +330,40 @@ class LakeTail:
         if named <= after:
             return None
         try:
-            return self.log.read(after, until=named)
+            return self.reader.read(after, until=named)
         except TailError:  # a notice ahead of the log it names: read what is there instead
             return None
 
-    def rebase(self, base_version: int) -> None:
+    def _log_cleaned_up(self, version: int) -> bool:
+        now = time.monotonic()
+        if now - self._cleanup_checked < self.CLEANUP_CHECK_S:
+            return False
+        self._cleanup_checked = now
+        return self.reader.cleaned_up(version)
+
+    def _from_snapshot(self, state: TailState) -> TailState:
+        """The tail rebuilt from the table's current snapshot, when the log after it is gone."""
+        if not self.writer_seqs:
+            raise TailError(
+                f"the lake's log was cleaned up past version {state.version}, which this tail has not read, and "
+                f"the index (built at lake version {state.base_version}) records no writer commit numbers to "
+                "rebuild the tail from a snapshot: publish a new index (streamrag index build) to recover."
+            )
+        rows, version = rows_after(self.lake, self.writer_seqs)
+        log.warning(
+            "the lake's log was cleaned up past version %d; the tail was rebuilt from the snapshot at version %d "
+            "(%d rows after the index; their lake version reads %d)",
+            state.version, version, rows.num_rows, version,
+        )  # fmt: skip
+        fresh = TailLog(state.base_version, state.log.dim)
+        fresh.append(rows, version)
+        return fresh.snapshot()
+
+    def rebase(self, base_version: int, writer_seqs: dict[str, int] | None = None) -> None:
         with self._lock:
-            self.state = self.state.rebased(base_version)
+            if base_version > self.state.base_version:
+                self.state = self.state.rebased(base_version)
+                self.writer_seqs = writer_seqs
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lake-tail", daemon=True)

@@ -22,6 +22,7 @@ from indexing.store import NotFound, ObjectStore
 from pipelines.caches import LRU
 from pipelines.lake import Lake
 from retrieval import metrics
+from retrieval.delta_log import TailError
 from retrieval.errors import SearchError
 from retrieval.tail import LakeTail, TailState, tail_at
 from serving.embedder import Embedder
@@ -92,7 +93,10 @@ class Views:
     def start(self, background: bool = True) -> None:
         """Load the newest index version's manifest and centroids, catch up with the tail."""
         reader = self._open(None)
-        self._tail = LakeTail(self.lake, reader.manifest.lake_version, reader.manifest.dim, self.options.tail_poll_s)
+        manifest = reader.manifest
+        self._tail = LakeTail(
+            self.lake, manifest.lake_version, manifest.dim, self.options.tail_poll_s, manifest.writer_seqs or None
+        )
         while self._tail.poll():  # catch up fully: until then, changes after the index are unfiltered
             pass
         self._reader = reader
@@ -152,7 +156,7 @@ class Views:
         if self.options.prefetch and total <= self.options.prefetch_bytes:
             reader.shards(range(len(reader.manifest.shards)))  # warm before the first query needs it
         self._reader = reader  # queries that already hold the old pair finish on it
-        self._tail.rebase(reader.manifest.lake_version)
+        self._tail.rebase(reader.manifest.lake_version, reader.manifest.writer_seqs or None)
         metrics.INDEX_SWAPS.inc()
         metrics.INDEX_VERSION.set(reader.manifest.version)
         log.info("switched to index version %d (lake version %d)", newest, reader.manifest.lake_version)
@@ -238,7 +242,14 @@ class Views:
         base, dim = reader.manifest.lake_version, reader.manifest.dim
         # Rebuilt from the log, not cut from the live tail: that keeps only each chunk's
         # newest version, and the one current at lake_version may be an older one.
-        tail = self._tails.get_or_make((base, lake_version), lambda: tail_at(self.lake, base, lake_version, dim))
+        try:
+            tail = self._tails.get_or_make((base, lake_version), lambda: tail_at(self.lake, base, lake_version, dim))
+        except TailError as exc:  # the log between the index and as_of was cleaned up
+            raise SearchError(
+                f"as_of={lake_version} needs the lake's log after version {base}, which is no longer there "
+                f"(cleaned up): {exc}",
+                status=404,
+            ) from exc
         return View(reader, tail)
 
     def _kept_versions(self, serving: int) -> dict[int, int]:

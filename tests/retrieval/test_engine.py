@@ -254,6 +254,34 @@ def test_as_of_after_garbage_collection_is_a_404_naming_the_kept_versions(setup,
     assert ids(engine.search(doc.text, k=1)) == [doc.chunk_id]  # the live view is untouched
 
 
+def test_a_cleaned_up_log_rebuilds_the_live_tail_and_refuses_as_of_into_the_gap(setup) -> None:  # type: ignore[no-untyped-def]
+    """The index's manifest records its writers' commit numbers; with them the live tail is
+    rebuilt from the snapshot (the update and the delete both hold), and an as_of into the
+    versions whose log is gone is a 404 that says so."""
+    from pipelines.lake import CHUNKS
+
+    engine, lake, docs = setup
+    assert engine._require_reader().manifest.writer_seqs  # recorded by the build
+    updated, deleted = docs[3], docs[4]
+    middle = lake.write([Doc(updated.pk, "a rewritten note about lighthouses")])
+    lake.write([updated, deleted], op="delete")
+    table = lake.lake.table(CHUNKS)
+    table.alter.set_table_properties({"delta.logRetentionDuration": "interval 0 seconds"})
+    table.create_checkpoint()
+    table.cleanup_metadata()
+    assert engine._tail is not None
+    engine._tail.CLEANUP_CHECK_S = 0.0
+    assert engine._tail.poll()
+    assert ids(engine.search("a rewritten note about lighthouses", k=1)) == [
+        Doc(updated.pk, "a rewritten note about lighthouses").chunk_id
+    ]
+    for gone in (updated, deleted):
+        assert gone.chunk_id not in ids(engine.search(gone.text, k=10))
+    with pytest.raises(SearchError, match="no longer there") as info:
+        engine.search(updated.text, k=1, as_of=middle)
+    assert info.value.status == 404
+
+
 def test_metadata_filters_apply_inside_the_scan_in_the_index_and_the_tail(tmp_path: Path, ray_local: None) -> None:
     """A filter that a tenth of the documents match still gets k of them (the probe widens),
     from the index and the tail alike, and results carry their metadata."""

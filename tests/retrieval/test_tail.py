@@ -195,3 +195,53 @@ def test_a_lost_notice_costs_at_most_one_poll_interval(tmp_path) -> None:
             time.sleep(0.05)
     finally:
         tail.stop()
+
+
+def test_log_cleaned_up_past_the_tail_is_rebuilt_from_the_snapshot(tmp_path) -> None:
+    """A checkpoint plus log cleanup (delta.logRetentionDuration) removes commit files the tail
+    has not read: it rebuilds from the table's snapshot by the writers' commit numbers, then
+    follows the log again; without those numbers it says how to recover, and as_of into the
+    gap is refused."""
+    import pytest
+
+    from indexing.snapshot import writer_seqs
+    from pipelines.lake import CHUNKS
+    from retrieval.delta_log import TailError
+    from retrieval.tail import LakeTail, tail_at
+    from serving.fake_embedder import FakeEmbedder
+    from tests.retrieval.lakes import Doc, DocLake
+
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder())
+    base = lake.write([Doc(1, "in the index"), Doc(2, "in the index too"), Doc(7, "untouched in the index")])
+    seqs = writer_seqs(lake.lake.table(CHUNKS).to_pyarrow_table(columns=["writer", "writer_seq"]))
+    tail = LakeTail(lake.lake, base, 32, poll_s=60, writer_seqs=seqs)
+    tail.CLEANUP_CHECK_S = 0.0
+    bare = LakeTail(lake.lake, base, 32, poll_s=60)  # an index from before manifests had writer numbers
+    bare.CLEANUP_CHECK_S = 0.0
+    read = lake.write([Doc(3, "read from the log")])
+    assert tail.poll() and bare.poll() and tail.state.version == read
+    lake.write([Doc(1, "in the index")], op="delete")
+    lake.write([Doc(4, "never read from the log"), Doc(2, "in the index too")], op="upsert")
+    last = lake.write([Doc(5, "the newest")])
+    want = tail_at(lake.lake, base, last, 32)  # what the log said, before it goes
+    table = lake.lake.table(CHUNKS)
+    table.optimize.compact()  # compaction while tailing: rewrites with dataChange false
+    table.alter.set_table_properties({"delta.logRetentionDuration": "interval 0 seconds"})
+    table.create_checkpoint()
+    table.cleanup_metadata()
+    assert tail.reader.commit(read + 1) is None and tail.reader.cleaned_up(read)
+
+    assert tail.poll()
+    state = tail.state
+    assert state.version == table.version() and state.base_version == base
+    assert chunk_ids(state.table, state.live) == chunk_ids(want.table, want.live)
+    got = {c for _, ids in state.superseding(base) for c in ids}
+    assert got == {c for _, ids in want.superseding(base) for c in ids}
+    after = lake.write([Doc(6, "after the cleanup")])  # the log is followed again from here
+    assert tail.poll() and tail.state.version == after
+    assert tail.state.live_rows == want.live_rows + 1
+
+    with pytest.raises(TailError, match="publish a new index"):
+        bare.poll()
+    with pytest.raises(TailError, match="missing from the log"):
+        tail_at(lake.lake, base, last, 32)
