@@ -40,6 +40,9 @@ class LogReader:
 
     def __init__(self, lake: Lake) -> None:
         self.store: ObjectStore = open_store(lake.table_uri(CHUNKS), lake.store)
+        #: versions whose commit removed rows with ``dataChange: true`` (a DELETE or an
+        #: overwrite: the ingest job never does that; the rows stay served until a new index)
+        self.removals: list[int] = []
 
     def commit(self, version: int) -> list[str] | None:
         """Data files that ``version`` added with new data; None if it does not exist yet."""
@@ -55,6 +58,9 @@ class LogReader:
             add = action.get("add")
             if add and add.get("dataChange", True):
                 files.append(unquote(add["path"]))
+            remove = action.get("remove")
+            if remove and remove.get("dataChange", True) and version not in self.removals:
+                self.removals.append(version)
         return files
 
     def cleaned_up(self, after: int) -> bool:

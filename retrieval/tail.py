@@ -364,6 +364,7 @@ class LakeTail:
             if base_version > self.state.base_version:
                 self.state = self.state.rebased(base_version)
                 self.writer_seqs = writer_seqs
+                self.reader.removals = [v for v in self.reader.removals if v > base_version]  # the index has them
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lake-tail", daemon=True)

@@ -186,6 +186,12 @@ class Views:
             problems.append(f"lake: not read successfully for {lag:.0f} s")
         if self.index_error:
             problems.append(f"index store: {self.index_error}")
+        removals = self._tail.reader.removals
+        if removals:
+            problems.append(
+                f"lake: version(s) {', '.join(map(str, removals[-5:]))} deleted rows from the chunks table "
+                "(a DELETE or overwrite, which ingest never does): they are served until the next index build"
+            )
         return {
             "status": "degraded" if problems else "ok",
             "problems": problems,

@@ -245,3 +245,27 @@ def test_log_cleaned_up_past_the_tail_is_rebuilt_from_the_snapshot(tmp_path) -> 
         bare.poll()
     with pytest.raises(TailError, match="missing from the log"):
         tail_at(lake.lake, base, last, 32)
+
+
+def test_rows_deleted_from_the_lake_are_reported_until_an_index_covers_them(tmp_path) -> None:
+    """The ingest job only appends; a DELETE run on the chunks table (a purge) cannot be
+    expressed by the tail, so it is reported (health says which versions) until rebased."""
+    from pipelines.lake import CHUNKS
+    from retrieval.tail import LakeTail
+    from serving.fake_embedder import FakeEmbedder
+    from tests.retrieval.lakes import Doc, DocLake
+
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder())
+    base = lake.write([Doc(1, "kept"), Doc(2, "purged by hand")])
+    tail = LakeTail(lake.lake, base, 32, poll_s=60)
+    table = lake.lake.table(CHUNKS)
+    table.delete("source_pk = '2'")
+    compacted = lake.write([Doc(3, "later")])
+    table.update_incremental()
+    table.optimize.compact()  # compaction's removes carry dataChange false: not a purge
+    assert tail.poll() and tail.reader.removals == [base + 1]
+    while tail.poll():
+        pass
+    assert tail.reader.removals == [base + 1]
+    tail.rebase(compacted, None)
+    assert tail.reader.removals == []
