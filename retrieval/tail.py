@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipelines.caches import LRU
 from pipelines.lake import Lake, embeddings
 from retrieval.acl import acl_mask
 from retrieval.delta_log import MAX_COMMITS_PER_POLL, TAIL_SCHEMA, LogReader, TailError, rows_after
@@ -36,6 +37,8 @@ from retrieval.delta_log import MAX_COMMITS_PER_POLL, TAIL_SCHEMA, LogReader, Ta
 log = logging.getLogger(__name__)
 
 INF_VERSION = np.iinfo(np.int64).max
+#: ACL masks kept per tail (and per snapshot): one per group set of recent callers
+GROUP_SETS_KEPT = 256
 
 
 class TailLog:
@@ -64,7 +67,7 @@ class TailLog:
         # lake versions (ascending) and the chunk ids whose first tail version each committed
         self._first_versions: list[int] = []
         self._first_ids: list[list[str]] = []
-        self._acl: dict[frozenset[str], np.ndarray] = {}  # group set → mask over rows [0, len)
+        self._acl: LRU[frozenset[str], np.ndarray] = LRU(GROUP_SETS_KEPT)  # group set → mask over rows [0, len)
         self._acl_lock = threading.Lock()
 
     def append(self, rows: pa.Table, version: int) -> None:
@@ -158,9 +161,7 @@ class TailLog:
             if done < n:
                 extra = acl_mask(table.column("acl").slice(done, n - done), groups)
                 known = extra if known is None else np.concatenate([known, extra])
-                self._acl[groups] = known
-                while len(self._acl) > 256:  # bounded: the oldest group sets go first
-                    del self._acl[next(iter(self._acl))]
+                self._acl.put(groups, known)
             assert known is not None
             return known[:n]
 
@@ -179,6 +180,7 @@ class TailState:
     #: when a poll last found the tail up to date with the lake (monotonic seconds)
     checked_at: float = field(default_factory=time.monotonic)
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+    _allowed: LRU[frozenset[str], np.ndarray] = field(default_factory=lambda: LRU(GROUP_SETS_KEPT), repr=False)
 
     @classmethod
     def empty(cls, base_version: int, dim: int) -> TailState:
@@ -216,12 +218,9 @@ class TailState:
 
     def allowed(self, groups: frozenset[str]) -> np.ndarray:
         """Live rows a caller in ``groups`` may see (computed once per snapshot and group set)."""
-        key = ("allowed", groups)
-        found = self._memo.get(key)
-        if found is None:
-            found = self.live & self.log.acl(groups, self.n, self.table) if self.n else self.live
-            self._memo[key] = found
-        return found
+        return self._allowed.get_or_make(
+            groups, lambda: self.live & self.log.acl(groups, self.n, self.table) if self.n else self.live
+        )
 
     def superseding(self, after: int) -> list[tuple[int, list[str]]]:
         """(lake version, chunk ids) whose first tail version came after ``after``, up to this snapshot."""
@@ -258,7 +257,7 @@ class TailState:
 
     def checked(self) -> TailState:
         """This snapshot, noted as up to date with the lake now."""
-        return replace(self, checked_at=time.monotonic(), _memo=self._memo)
+        return replace(self, checked_at=time.monotonic(), _memo=self._memo, _allowed=self._allowed)
 
 
 def tail_at(lake: Lake, base_version: int, until: int, dim: int) -> TailState:
