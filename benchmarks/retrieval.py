@@ -286,6 +286,28 @@ def bench_http(work: Path, seconds: float) -> None:
         os.killpg(proc.pid, 9)
 
 
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus samples at ``url`` by name (labels dropped: the names used here have none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, timeout=10).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean milliseconds per stage between two scrapes of the ingest job and the service."""
+
+    def mean(name: str) -> float | None:
+        n = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
+        return round((after[f"{name}_sum"] - before.get(f"{name}_sum", 0)) / n * 1000, 1) if n else None
+
+    return {
+        "produce_to_commit_ms": mean("streamrag_ingest_event_to_commit_seconds"),
+        "embed_batch_ms": mean("streamrag_ingest_embed_seconds"),
+        "commit_to_notice_ms": mean("streamrag_commit_notice_delay_seconds"),
+    }
+
+
 def envelope(pk: int, body: str | None, lsn: int) -> tuple[bytes, bytes]:
     if body is None:
         value = debezium_envelope("d", None, {"id": pk}, lsn=lsn)
@@ -336,12 +358,14 @@ def _freshness(work: Path, updates: int, rate: float, store: str, lake: str, ind
                   "--recovery-dir", str(work / f"fresh-recovery-{store}"), "--batch-max-events", "16",
                   *os.environ.get("FRESH_EXTRA", "").split()]  # fmt: skip
         out = subprocess.run([*ingest, "--until-idle", "4"], capture_output=True, text=True)
+        metrics_port = free_port()
         assert out.returncode == 0, out.stderr[-2000:]
         out = subprocess.run([*CLI, "index", "build", "--lake", lake, "--index", index,
                               "--nlist", "8"], capture_output=True, text=True)  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
         log = (work / "ingest.log").open("wb")
-        job = subprocess.Popen(ingest, stdout=log, stderr=log, start_new_session=True)
+        job = subprocess.Popen([*ingest, "--metrics-port", str(metrics_port)], stdout=log, stderr=log,
+                               start_new_session=True)  # fmt: skip
         # Commit notices from the ingest job (the lake is polled every 2 s as a fallback).
         server, url = serve(lake, index, work, "--bootstrap", bootstrap)
         time.sleep(10)  # the ingest job's model load is not part of the lag
@@ -398,7 +422,13 @@ def _freshness(work: Path, updates: int, rate: float, store: str, lake: str, ind
             (pk, f"Revision {i} of note {pk}. " + rng.choice(paragraphs), None)
             for i, pk in ((i, i % (n_docs - n_deletes)) for i in range(updates))
         ]
+
+        def scrape_both() -> dict[str, float]:
+            return {**scrape(f"http://127.0.0.1:{metrics_port}/metrics"), **scrape(f"{url}/metrics")}
+
+        before = scrape_both()
         lags, during = measure(update_plan)
+        stages = stage_means(before, scrape_both())
         gone_plan: list[tuple[int, str | None, str | None]] = []
         for pk in range(n_docs - n_deletes, n_docs):  # never updated above: their text is the initial one
             text = f"Note {pk} original text. " + paragraphs[pk % len(paragraphs)]
@@ -413,7 +443,7 @@ def _freshness(work: Path, updates: int, rate: float, store: str, lake: str, ind
              p50_ms=pct(lags, 50), p95_ms=pct(lags, 95), p99_ms=pct(lags, 99), deletes=len(deletes),
              delete_gone_p50_ms=pct(deletes, 50), delete_gone_p95_ms=pct(deletes, 95),
              delete_gone_p99_ms=pct(deletes, 99),
-             search_idle=percentiles(idle), search_during_updates=percentiles(during),
+             stages_mean=stages, search_idle=percentiles(idle), search_during_updates=percentiles(during),
              search_p99_ratio=round(float(np.percentile(during, 99) / np.percentile(idle, 99)), 2),
              # Pathway is not run by this benchmark yet: no peer figure belongs in this line. The
              # figures an earlier session measured separately are in the README, labelled so.
@@ -437,9 +467,59 @@ def _freshness(work: Path, updates: int, rate: float, store: str, lake: str, ind
         broker.wait(30)
 
 
+def bench_tail(sizes: list[int], queries: int = 200) -> None:
+    """The fresh tail's search at growing sizes: exact (a matrix product) against its IVF index.
+
+    Real embeddings (the Python docs); queries are held-out chunks. Decides where
+    ``retrieval.tail_index.TAIL_INDEX_ROWS`` belongs.
+    """
+    from retrieval.tail import TailLog
+    from retrieval.tail_index import TailIndex
+
+    corpus = embedded_pydocs()
+    held_out, pool = corpus.vectors[:queries], corpus.vectors[queries:]
+    for size in sizes:
+        if size > len(pool):
+            print(f"the corpus has {len(pool)} chunks: no tail of {size}", file=sys.stderr)
+            continue
+        rows = chunk_rows(pool[:size])
+        rows = rows.append_column("lake_version", pa.array(np.ones(size, np.int64)))
+        log_ = TailLog(0, pool.shape[1])
+        log_.index = TailIndex(pool.shape[1], min_rows=size + 1)  # never trains: exact search
+        t0 = time.perf_counter()
+        log_.append(rows, 1)
+        append_s = time.perf_counter() - t0
+        state = log_.snapshot()
+        allowed = state.allowed(frozenset())
+        exact_s, truth = [], []
+        for q in held_out:
+            t0 = time.perf_counter()
+            found = state.search(q, 10, allowed)
+            exact_s.append(time.perf_counter() - t0)
+            truth.append({r for r, _ in found})
+        index = TailIndex(pool.shape[1], min_rows=1)
+        t0 = time.perf_counter()
+        index.extend(state.vectors, state._upsert, size)
+        assert index._training is not None
+        index._training.join()
+        index.extend(state.vectors, state._upsert, size)  # swaps the trained index in
+        train_s = time.perf_counter() - t0
+        ivf_s, recalls = [], []
+        for q, want in zip(held_out, truth, strict=True):
+            t0 = time.perf_counter()
+            found = index.search(q, 10, allowed)
+            ivf_s.append(time.perf_counter() - t0)
+            assert found is not None
+            recalls.append(len({r for r, _ in found} & want) / len(want))
+        emit(bench="tail_search", rows=size, exact=percentiles(exact_s), ivf=percentiles(ivf_s),
+             ivf_recall_at_10=round(float(np.mean(recalls)), 4), nlist=index._index.nlist if index._index else None,
+             nprobe=index.nprobe, ivf_train_s=round(train_s, 2), append_us_per_row=round(append_s / size * 1e6, 1),
+             corpus="pydocs")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["search", "cold", "http", "freshness"], action="append")
+    parser.add_argument("--only", choices=["search", "cold", "http", "freshness", "tail"], action="append")
     parser.add_argument("--n", type=int, default=200_000, help="synthetic vectors for search and cold")
     parser.add_argument("--queries", type=int, default=500)
     parser.add_argument("--seconds", type=float, default=30.0, help="HTTP load duration per client count")
@@ -448,7 +528,7 @@ def main() -> None:
     parser.add_argument("--fresh-store", choices=["local", "s3"], action="append", help="lake for freshness (local)")
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     args = parser.parse_args()
-    sections = set(args.only or ["search", "cold", "http", "freshness"])
+    sections = set(args.only or ["search", "cold", "http", "freshness", "tail"])
     TAGS["corpus"] = "synthetic"
     work = Path(tempfile.mkdtemp(prefix="srbench-", dir="/tmp"))
     try:
@@ -466,6 +546,8 @@ def main() -> None:
         if sections & {"http"}:
             start_ray(work_dir=work / "ray2")
             bench_http(work, args.seconds)
+        if "tail" in sections:
+            bench_tail([5_000, 10_000, 20_000, 40_000])
         if "freshness" in sections:
             for store in args.fresh_store or ["local"]:
                 bench_freshness(work, args.updates, args.rate, store)

@@ -20,6 +20,9 @@ from pipelines.storage import ObjectStoreSettings
 
 log = logging.getLogger(__name__)
 
+#: how often ``--tail-rows`` counts the rows committed since the last build (one GET per new commit)
+TAIL_CHECK_S = 5.0
+
 
 def add_commands(sub: Any) -> None:
     index = sub.add_parser("index", help="build IVF vector indexes from the lake")
@@ -66,6 +69,13 @@ def add_commands(sub: Any) -> None:
         metavar="SECONDS",
         help="keep building: a new version every SECONDS when the lake changed (a failed build is logged and retried)",
     )
+    p.add_argument(
+        "--tail-rows",
+        type=int,
+        metavar="N",
+        help="keep building: a new version as soon as N chunk versions were committed since the last build, "
+        f"so replicas' fresh tails stay small (checked every {TAIL_CHECK_S:.0f} s; with or without --every)",
+    )
     add_openlineage_arg(p)
     p.set_defaults(func=cmd_index_build)
 
@@ -80,29 +90,51 @@ def _short_temp_dir() -> str:
 
 def cmd_index_build(args: argparse.Namespace) -> int:
     config = from_args(IndexBuildSettings, args)
-    if config.every is None:
+    if config.every is None and config.tail_rows is None:
         return _build_once(config, args.json)
+    return _keep_building(config, args.json)
+
+
+def _keep_building(config: IndexBuildSettings, as_json: bool) -> int:
+    """Build whenever the lake changed and ``every`` seconds passed, or ``tail_rows`` rows were committed."""
     from indexing.manifest import load_manifest
+    from indexing.snapshot import rows_committed
     from indexing.store import open_store
     from pipelines.lake import CHUNKS, Lake
 
     settings = ObjectStoreSettings.from_env()
-    built_from: int | None = None
+    check_s = min(config.every or TAIL_CHECK_S, TAIL_CHECK_S if config.tail_rows else float("inf"))
+    built_from: int | None = None  # the lake version of the newest index
+    built_at = 0.0  # monotonic time of the last build (0: build at once if the lake changed)
+    counted = (-1, 0)  # (up to lake version, rows committed after built_from)
     while True:
         try:
             store = open_store(config.index, settings)
             newest = latest_version(store)
             if built_from is None and newest is not None:
                 built_from = load_manifest(store, newest).lake_version
-            lake_version = Lake.at(config.lake, settings).table(CHUNKS).version()
-            if built_from is None or lake_version > built_from:
-                _build_once(config, args.json)
-                built_from = lake_version
+            lake = Lake.at(config.lake, settings)
+            lake_version = lake.table(CHUNKS).version()
+            due = built_from is None or (
+                lake_version > built_from and (config.every is not None and time.monotonic() - built_at >= config.every)
+            )
+            if not due and config.tail_rows and built_from is not None and lake_version > built_from:
+                start, rows = counted if counted[0] >= built_from else (built_from, 0)
+                more = rows_committed(lake, start, lake_version)
+                counted = (lake_version, rows + (config.tail_rows if more is None else more))
+                due = counted[1] >= config.tail_rows
+                if due:
+                    log.info("%d chunk versions committed since the last build: building now", counted[1])
+            if due:
+                _build_once(config, as_json)
+                newest = latest_version(store)
+                built_from = lake_version if newest is None else load_manifest(store, newest).lake_version
+                built_at, counted = time.monotonic(), (-1, 0)
             else:
-                log.info("lake unchanged since version %d; next check in %.0f s", lake_version, config.every)
+                log.debug("no build due at lake version %d; next check in %.0f s", lake_version, check_s)
         except Exception as exc:  # noqa: BLE001 - keep going: the next round may succeed
-            log.error("index build failed (retrying in %.0f s): %s", config.every, exc)
-        time.sleep(config.every)
+            log.error("index build failed (retrying in %.0f s): %s", check_s, exc)
+        time.sleep(check_s)
 
 
 def _build_once(config: IndexBuildSettings, as_json: bool) -> int:

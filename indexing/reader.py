@@ -117,10 +117,11 @@ Allow = Callable[[int, LoadedShard], "np.ndarray | None"]
 def bitmap_selector(mask: np.ndarray) -> tuple[Any, np.ndarray]:
     """A faiss selector for the True positions of ``mask``, and the buffer it points into.
 
-    The buffer must outlive the selector (faiss keeps a raw pointer).
+    The buffer must outlive the selector (faiss keeps a raw pointer). Ids past the mask are
+    not selected (faiss's ``n`` is the bitmap's length in bytes; the padding bits are 0).
     """
     bits = np.packbits(mask, bitorder="little")
-    return faiss.IDSelectorBitmap(len(mask), faiss.swig_ptr(bits)), bits
+    return faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits)), bits
 
 
 class IndexReader:

@@ -25,4 +25,7 @@ class IndexBuildSettings(BaseSettings):
     gc_grace: float = Field(DEFAULT_GC_GRACE_S, ge=0, description="seconds a replaced version is kept for readers")
     store_patience: float = Field(300.0, ge=0, description="seconds a started build retries an unreachable store")
     every: float | None = Field(None, gt=0, description="keep building: a new version every N seconds")
+    tail_rows: int | None = Field(
+        None, ge=1, description="keep building: a new version as soon as N chunk versions were committed since the last"
+    )
     openlineage: str | None = None

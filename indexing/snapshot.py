@@ -7,6 +7,7 @@ by each builder straight from the lake files of its own partition.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,6 +104,33 @@ def writer_seqs(rows: pa.Table) -> dict[str, int]:
     return {
         str(w): int(s) for w, s in zip(*grouped.select(["writer", "writer_seq_max"]).to_pydict().values(), strict=True)
     }
+
+
+def rows_committed(lake: Lake, after: int, until: int) -> int | None:
+    """Rows that commits (after, until] of the ``chunks`` table added with new data, from the
+    log's file statistics (one small GET per commit); None if a commit's log or statistics
+    are gone (a cleaned-up log, a writer without statistics): the count is unknown.
+
+    Compaction rewrites (``dataChange: false``) are not counted: they change no chunk.
+    """
+    from indexing.store import NotFound, open_store
+
+    store = open_store(lake.table_uri(CHUNKS), lake.store)
+    total = 0
+    for version in range(after + 1, until + 1):
+        try:
+            raw = store.get(f"_delta_log/{version:020d}.json")
+        except NotFound:
+            return None
+        for line in raw.decode().splitlines():
+            add = json.loads(line).get("add") if line.strip() else None
+            if not add or not add.get("dataChange", True):
+                continue
+            records = json.loads(add.get("stats") or "{}").get("numRecords")
+            if records is None:
+                return None
+            total += int(records)
+    return total
 
 
 def load_partition(lake: Lake, version: int, files: list[FileRows]) -> Partition:

@@ -33,6 +33,7 @@ from pipelines.caches import LRU
 from pipelines.lake import Lake, embeddings
 from retrieval.acl import acl_mask
 from retrieval.delta_log import MAX_COMMITS_PER_POLL, TAIL_SCHEMA, LogReader, TailError, rows_after
+from retrieval.tail_index import EXACT_ALLOWED_ROWS, NEVER, TailIndex
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class TailLog:
     without a copy: those with ``replaced_at > V``.
     """
 
-    def __init__(self, base_version: int, dim: int) -> None:
+    def __init__(self, base_version: int, dim: int, indexed: bool = True) -> None:
         self.base_version = base_version
         self.dim = dim
         self.n = 0
@@ -69,6 +70,8 @@ class TailLog:
         self._first_ids: list[list[str]] = []
         self._acl: LRU[frozenset[str], np.ndarray] = LRU(GROUP_SETS_KEPT)  # group set → mask over rows [0, len)
         self._acl_lock = threading.Lock()
+        # an IVF index of the vectors once the tail is large (not for one-off tails: as_of)
+        self.index = TailIndex(dim, None if indexed else NEVER)
 
     def append(self, rows: pa.Table, version: int) -> None:
         """Rows committed up to lake ``version`` (with a ``lake_version`` column, in commit order)."""
@@ -104,8 +107,11 @@ class TailLog:
                 else:  # a late, older version: never the newest
                     self._replaced_at[row] = v
             self._batches.extend(rows.to_batches())
+            self.index.extend(self._vectors, self._upsert, start + count)  # before snapshots can see the rows
             self.n += count
             self._compact_batches()
+        else:
+            self.index.extend(self._vectors, self._upsert, self.n)  # swaps in an index trained meanwhile
         self.version = version
 
     @property
@@ -232,15 +238,30 @@ class TailState:
         return self.log.first_version is not None and self.log.first_version <= self.version
 
     def search(self, query: np.ndarray, k: int, allowed: np.ndarray) -> list[tuple[int, float]]:
-        """(row, squared L2 distance) of the k nearest allowed rows."""
-        if self.n == 0 or k <= 0 or not allowed.any():
+        """(row, squared L2 distance) of the k nearest allowed rows (``allowed``: one flag per row).
+
+        Exact over a small tail or a caller allowed few rows; through the tail's IVF index
+        (:mod:`retrieval.tail_index`) once the tail is large.
+        """
+        count = int(allowed.sum()) if self.n and k > 0 else 0
+        if count == 0:
             return []
-        dist = 2.0 - 2.0 * (self.vectors @ query.astype(np.float32))
-        dist = np.where(allowed, dist, np.inf)
+        if count > EXACT_ALLOWED_ROWS:
+            found = self.log.index.search(query, k, allowed)
+            if found is not None:
+                return found
+        q = query.astype(np.float32)
+        if count * 4 < self.n:  # few allowed rows: score just those
+            rows = np.flatnonzero(allowed)
+            dist = 2.0 - 2.0 * (self.vectors[rows] @ q)
+        else:
+            rows = None
+            dist = np.where(allowed, 2.0 - 2.0 * (self.vectors @ q), np.inf)
         k = min(k, len(dist))
         top = np.argpartition(dist, k - 1)[:k]
         top = top[np.argsort(dist[top], kind="stable")]
-        return [(int(i), float(dist[i])) for i in top if np.isfinite(dist[i])]
+        found = [(int(i), float(dist[i])) for i in top if np.isfinite(dist[i])]
+        return found if rows is None else [(int(rows[i]), d) for i, d in found]
 
     def rebased(self, base_version: int) -> TailState:
         """The tail of a newer index (built at ``base_version``): drops what that index holds."""
@@ -263,7 +284,7 @@ class TailState:
 def tail_at(lake: Lake, base_version: int, until: int, dim: int) -> TailState:
     """The tail of an index built at ``base_version``, as it was at lake version ``until``."""
     rows, version = LogReader(lake).read(base_version, until)
-    log = TailLog(base_version, dim)
+    log = TailLog(base_version, dim, indexed=False)
     log.append(rows, version)
     return log.snapshot()
 
