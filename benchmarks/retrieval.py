@@ -30,9 +30,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -308,17 +310,164 @@ def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     }
 
 
-def envelope(pk: int, body: str | None, lsn: int) -> tuple[bytes, bytes]:
-    if body is None:
-        value = debezium_envelope("d", None, {"id": pk}, lsn=lsn)
-    else:
-        value = debezium_envelope("u", {"id": pk, "title": f"Note {pk}", "body": body, "acl": []}, lsn=lsn)
-    key, raw = message({"id": pk}, value)
+def envelope(pk: int, body: str | None, lsn: int, before: str | None = None) -> tuple[bytes, bytes]:
+    """(key, value) of a change as Debezium writes it with schemas on (Kafka Connect's default)
+    and REPLICA IDENTITY FULL (``before`` is the old row): what Pathway's connector needs."""
+
+    def row(text: str | None) -> dict[str, object] | None:
+        return None if text is None else {"id": pk, "title": f"Note {pk}", "body": text, "acl": []}
+
+    op = "d" if body is None else "u" if before is not None else "c"
+    value = debezium_envelope(op, row(body), row(before), lsn=lsn, wrapped=True)
+    key, raw = message({"schema": {"type": "struct", "name": "key"}, "payload": {"id": pk}}, value)
     assert raw is not None
     return key, raw
 
 
-def bench_freshness(work: Path, updates: int, rate: float, store: str) -> None:
+@dataclass
+class Target:
+    """A search service under test and how to read its results: (note number, text) per hit."""
+
+    name: str
+    url: str
+    route: str
+    hits: Callable[[dict[str, Any] | list[Any]], list[tuple[int, str]]]
+
+    def search(self, http: httpx.Client, query: str, k: int) -> list[tuple[int, str]]:
+        r = http.post(f"{self.url}{self.route}", json={"query": query, "k": k})
+        r.raise_for_status()
+        return self.hits(r.json())
+
+
+def streamrag_target(url: str) -> Target:
+    return Target("streamrag", url, "/v1/search",
+                  lambda body: [(int(x["doc_id"].rsplit("/", 1)[1]), x["text"]) for x in body["results"]])  # type: ignore[call-overload,index]  # fmt: skip
+
+
+def pathway_target(url: str) -> Target:
+    return Target("pathway", url, "/v1/retrieve",
+                  lambda body: [(int(x["metadata"]["title"].split()[-1]), x["text"]) for x in body])  # type: ignore[index,union-attr]  # fmt: skip
+
+
+def start_pathway(bootstrap: str, topic: str, work: Path, python: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``benchmarks/peer_pathway.py`` in the peer environment, once it answers."""
+    from serving.models import default_model_path
+
+    port = free_port()
+    log = (work / "pathway.log").open("wb")
+    proc = subprocess.Popen([str(python), str(ROOT / "benchmarks" / "peer_pathway.py"), "--bootstrap", bootstrap,
+                             "--topic", topic, "--port", str(port), "--model", str(default_model_path())],
+                            stdout=log, stderr=log, cwd=work, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pathway exited: {(work / 'pathway.log').read_text()[-2000:]}")
+        try:
+            if httpx.post(f"{url}/v1/retrieve", json={"query": "note", "k": 1}, timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("pathway did not answer")
+
+
+class Changes:
+    """Produces changes to the notes and times how long a target takes to show each one."""
+
+    def __init__(self, producer: Producer, topic: str, bodies: dict[int, str], rate: float, queries: list[str]):
+        self.producer, self.topic, self.bodies, self.rate, self.queries = producer, topic, bodies, rate, queries
+        self.lsn = 10_000
+        self.lock = threading.Lock()
+        self.local = threading.local()
+
+    def send(self, pk: int, body: str | None) -> float:
+        """Produce a change (``body`` None: delete); the monotonic time it was acknowledged."""
+        with self.lock:
+            self.lsn += 1
+            key, value = envelope(pk, body, self.lsn, self.bodies.get(pk))
+            if body is None:
+                self.bodies.pop(pk, None)
+            else:
+                self.bodies[pk] = body
+            t0 = time.monotonic()
+            self.producer.produce(self.topic, value, key)
+            self.producer.flush(10)
+        return t0
+
+    def shows(self, target: Target, pk: int, text: str) -> bool:
+        """The detection rule, the same for every system: the note with this text in the top 3."""
+        if not hasattr(self.local, "http"):
+            self.local.http = httpx.Client(timeout=30)
+        return any(found == pk and text[:60] in hit for found, hit in target.search(self.local.http, text, 3))
+
+    def change(self, target: Target, pk: int, text: str | None, due: float, gone: str | None) -> float:
+        """One change at ``due``; seconds until ``target`` shows it (the new text, or ``gone`` absent)."""
+        time.sleep(max(0.0, due - time.monotonic()))
+        t0 = self.send(pk, text)
+        while self.shows(target, pk, gone) if gone is not None else not self.shows(target, pk, text or ""):
+            if time.monotonic() - t0 > 60:
+                raise RuntimeError(f"{target.name}: change of note {pk} not visible after 60 s")
+            time.sleep(0.01)
+        return time.monotonic() - t0
+
+    def measure(
+        self, target: Target, plan: list[tuple[int, str | None, str | None]]
+    ) -> tuple[list[float], list[float]]:
+        """(lags, search latencies of one client searching meanwhile) for changes made at ``rate``/s."""
+        stop = threading.Event()
+        during: list[float] = []
+        rng = random.Random(5)
+
+        def searcher() -> None:
+            with httpx.Client(timeout=30) as http:
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    target.search(http, rng.choice(self.queries), 10)
+                    during.append(time.perf_counter() - t0)
+
+        start = time.monotonic() + 0.5
+        with ThreadPoolExecutor(1) as side, ThreadPoolExecutor(16) as pool:
+            side.submit(searcher)
+            futures = [pool.submit(self.change, target, pk, text, start + i / self.rate, gone)
+                       for i, (pk, text, gone) in enumerate(plan)]  # fmt: skip
+            lags = [f.result() for f in futures]
+            stop.set()
+        return lags, during
+
+    def idle(self, target: Target, seconds: float) -> list[float]:
+        """Search latencies of one client with no changes flowing."""
+        rng, latencies = random.Random(6), []
+        deadline = time.monotonic() + seconds
+        with httpx.Client(timeout=30) as http:
+            while time.monotonic() < deadline:
+                t0 = time.perf_counter()
+                target.search(http, rng.choice(self.queries), 10)
+                latencies.append(time.perf_counter() - t0)
+        return latencies
+
+    def run(self, target: Target, updates: list[tuple[int, str]], deletes: list[int]) -> dict[str, Any]:
+        """Idle search, then updates, then deletes: one system's figures."""
+        idle = self.idle(target, 15)
+        lags, during = self.measure(target, [(pk, text, None) for pk, text in updates])
+        gone_plan: list[tuple[int, str | None, str | None]] = []
+        for pk in deletes:
+            text = self.bodies[pk]
+            if self.shows(target, pk, text):  # (else not in its own top 3: not measurable)
+                gone_plan.append((pk, None, text))
+        gone, _ = self.measure(target, gone_plan)
+
+        def pct(values: list[float], q: float) -> int | None:
+            return round(float(np.percentile(np.array(values) * 1000, q))) if values else None
+
+        return dict(updates=len(lags), p50_ms=pct(lags, 50), p95_ms=pct(lags, 95), p99_ms=pct(lags, 99),
+                    deletes=len(gone), delete_gone_p50_ms=pct(gone, 50), delete_gone_p95_ms=pct(gone, 95),
+                    delete_gone_p99_ms=pct(gone, 99), search_idle=percentiles(idle),
+                    search_during_updates=percentiles(during),
+                    search_p99_ratio=round(float(np.percentile(during, 99) / np.percentile(idle, 99)), 2))  # fmt: skip
+
+
+def bench_freshness(work: Path, updates: int, rate: float, store: str, peer: Path | None) -> None:
     moto = None
     lake, index = str(work / f"fresh-lake-{store}"), str(work / f"fresh-index-{store}")
     if store == "s3":
@@ -329,140 +478,97 @@ def bench_freshness(work: Path, updates: int, rate: float, store: str) -> None:
         boto3.client("s3").create_bucket(Bucket="fresh")
         lake, index = "s3://fresh/lake", "s3://fresh/index"
     try:
-        _freshness(work, updates, rate, store, lake, index)
+        _freshness(work, updates, rate, store, lake, index, peer)
     finally:
         if moto is not None:
             moto.terminate()
             moto.wait(30)
 
 
-def _freshness(work: Path, updates: int, rate: float, store: str, lake: str, index: str) -> None:
+def _freshness(work: Path, updates: int, rate: float, store: str, lake: str, index: str, peer: Path | None) -> None:
     docs = load_pydocs()
     rng = random.Random(4)
     paragraphs = [p for d in docs[:60] for p in d.body.split("\n\n") if 200 < len(p) < 600]
     port = free_port()
     broker = start_broker(port)
     bootstrap = f"127.0.0.1:{port}"
-    n_docs, n_deletes = 200, 25
+    n_docs, n_deletes = 200, 25  # the last 2 × n_deletes notes are deleted: half by each system's phase
+    updatable = n_docs - 2 * n_deletes
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         topic = "cdc.app.public.docs"
         ensure_topics(bootstrap, [topic], partitions=2)
         producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
-        lsn = 1000
+        queries = [paragraphs[i][:200] for i in range(40)]
+        changes = Changes(producer, topic, {}, rate, queries)
         for pk in range(n_docs):  # unique text per note: each one is its own best match
-            lsn += 1
-            body = f"Note {pk} original text. " + paragraphs[pk % len(paragraphs)]
-            producer.produce(topic, *reversed(envelope(pk, body, lsn)))
-        producer.flush(30)
+            changes.send(pk, f"Note {pk} original text. " + paragraphs[pk % len(paragraphs)])
         ingest = [*CLI, "ingest", "--bootstrap", bootstrap, "--topic", topic, "--lake", lake,
                   "--recovery-dir", str(work / f"fresh-recovery-{store}"), "--batch-max-events", "16",
                   *os.environ.get("FRESH_EXTRA", "").split()]  # fmt: skip
         out = subprocess.run([*ingest, "--until-idle", "4"], capture_output=True, text=True)
-        metrics_port = free_port()
         assert out.returncode == 0, out.stderr[-2000:]
         out = subprocess.run([*CLI, "index", "build", "--lake", lake, "--index", index,
                               "--nlist", "8"], capture_output=True, text=True)  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
+        metrics_port = free_port()
         log = (work / "ingest.log").open("wb")
         job = subprocess.Popen([*ingest, "--metrics-port", str(metrics_port)], stdout=log, stderr=log,
                                start_new_session=True)  # fmt: skip
+        procs.append(job)
         # Commit notices from the ingest job (the lake is polled every 2 s as a fallback).
         server, url = serve(lake, index, work, "--bootstrap", bootstrap)
+        procs.append(server)
         time.sleep(10)  # the ingest job's model load is not part of the lag
-        queries = [paragraphs[i][:200] for i in range(40)]
-        idle, _ = load(url, queries, 1, 15)
-        local = threading.local()
 
-        def visible(pk: int, text: str) -> bool:
-            if not hasattr(local, "http"):
-                local.http = httpx.Client(timeout=30)
-            r = local.http.post(f"{url}/v1/search", json={"query": text, "k": 3}).json()["results"]
-            return any(x["doc_id"].endswith(f"/{pk}") and text[:60] in x["text"] for x in r)
-
-        lsn_lock = threading.Lock()
-
-        def change(pk: int, text: str | None, due: float, gone: str | None = None) -> float:
-            """Produce one change at ``due``; seconds until search shows it (new text, or ``gone`` absent)."""
-            nonlocal lsn
-            time.sleep(max(0.0, due - time.monotonic()))
-            with lsn_lock:
-                lsn += 1
-                key, value = envelope(pk, text, lsn)
-                t0 = time.monotonic()
-                producer.produce(topic, value, key)
-                producer.flush(10)
-            while visible(pk, gone) if gone is not None else not visible(pk, text or ""):
-                if time.monotonic() - t0 > 60:
-                    raise RuntimeError(f"change of note {pk} not visible after 60 s")
-                time.sleep(0.01)
-            return time.monotonic() - t0
-
-        def measure(plan: list[tuple[int, str | None, str | None]]) -> tuple[list[float], list[float]]:
-            """(lags, search latencies of one client searching meanwhile) for changes made at ``rate``/s."""
-            stop = threading.Event()
-            during: list[float] = []
-
-            def searcher() -> None:
-                with httpx.Client(timeout=30) as http:
-                    while not stop.is_set():
-                        t0 = time.perf_counter()
-                        http.post(f"{url}/v1/search", json={"query": rng.choice(queries), "k": 10})
-                        during.append(time.perf_counter() - t0)
-
-            start = time.monotonic() + 0.5
-            with ThreadPoolExecutor(1) as side, ThreadPoolExecutor(16) as pool:
-                side.submit(searcher)
-                futures = [pool.submit(change, pk, text, start + i / rate, gone) for i, (pk, text, gone) in
-                           enumerate(plan)]  # fmt: skip
-                lags = [f.result() for f in futures]
-                stop.set()
-            return lags, during
-
-        update_plan: list[tuple[int, str | None, str | None]] = [
-            (pk, f"Revision {i} of note {pk}. " + rng.choice(paragraphs), None)
-            for i, pk in ((i, i % (n_docs - n_deletes)) for i in range(updates))
-        ]
+        def update_plan(tag: str) -> list[tuple[int, str]]:
+            return [(pk, f"{tag} revision {i} of note {pk}. " + rng.choice(paragraphs))
+                    for i, pk in ((i, i % updatable) for i in range(updates))]  # fmt: skip
 
         def scrape_both() -> dict[str, float]:
             return {**scrape(f"http://127.0.0.1:{metrics_port}/metrics"), **scrape(f"{url}/metrics")}
 
         before = scrape_both()
-        lags, during = measure(update_plan)
+        ours = changes.run(streamrag_target(url), update_plan("Ours"), list(range(updatable, updatable + n_deletes)))
         stages = stage_means(before, scrape_both())
-        gone_plan: list[tuple[int, str | None, str | None]] = []
-        for pk in range(n_docs - n_deletes, n_docs):  # never updated above: their text is the initial one
-            text = f"Note {pk} original text. " + paragraphs[pk % len(paragraphs)]
-            if visible(pk, text):  # (else not in its own top 3: not measurable)
-                gone_plan.append((pk, None, text))
-        deletes, _ = measure(gone_plan)
-
-        def pct(values: list[float], q: float) -> int:
-            return round(float(np.percentile(np.array(values) * 1000, q)))
-
-        emit(bench="freshness", lake=store, updates=len(lags), rate_per_s=rate, push="commit notices",
-             p50_ms=pct(lags, 50), p95_ms=pct(lags, 95), p99_ms=pct(lags, 99), deletes=len(deletes),
-             delete_gone_p50_ms=pct(deletes, 50), delete_gone_p95_ms=pct(deletes, 95),
-             delete_gone_p99_ms=pct(deletes, 99),
-             stages_mean=stages, search_idle=percentiles(idle), search_during_updates=percentiles(during),
-             search_p99_ratio=round(float(np.percentile(during, 99) / np.percentile(idle, 99)), 2),
-             # Pathway is not run by this benchmark yet: no peer figure belongs in this line. The
-             # figures an earlier session measured separately are in the README, labelled so.
-             peer=None,
-             targets="update and delete p95 <= 300 ms, p99 <= 500 ms local; p99 <= 1 s on S3; "
-                     "search p99 during updates <= 1.2x idle")  # fmt: skip
 
         # Interactive queries while a bulk load ingests.
+        idle, _ = load(url, queries, 1, 15)
         for pk in range(1000, 3000):
-            lsn += 1
-            producer.produce(topic, *reversed(envelope(pk, rng.choice(paragraphs), lsn)))
+            changes.lsn += 1
+            key, value = envelope(pk, rng.choice(paragraphs), changes.lsn)
+            producer.produce(topic, value, key)
             producer.poll(0)
         producer.flush(30)
         busy, errors = load(url, queries, 1, 15)
         emit(bench="search_during_bulk_load", lake=store, idle=percentiles(idle), during_bulk_load=percentiles(busy),
              errors=errors, p99_ratio=round(np.percentile(busy, 99) / np.percentile(idle, 99), 2))  # fmt: skip
-        os.killpg(server.pid, 9)
-        os.killpg(job.pid, 9)
+        for proc in procs:
+            os.killpg(proc.pid, 9)
+        procs.clear()
+
+        # The peer, alone on the machine as ours was, on the same broker, topic and notes.
+        peer_figures: dict[str, Any] | None = None
+        if peer is not None and store == "local":
+            proc, peer_url = start_pathway(bootstrap, topic, work, peer)
+            procs.append(proc)
+            target = pathway_target(peer_url)
+            last = max(changes.bodies)
+            deadline = time.monotonic() + 600
+            while not changes.shows(target, last, changes.bodies[last]):  # caught up with the topic
+                if time.monotonic() > deadline:
+                    raise RuntimeError("pathway did not catch up with the topic in 10 minutes")
+                time.sleep(1)
+            peer_figures = changes.run(target, update_plan("Peer"), list(range(updatable + n_deletes, n_docs)))
+            peer_figures.update(system="pathway 0.33 VectorStoreServer", commit_ms=100)
+        emit(bench="freshness", lake=store, rate_per_s=rate, push="commit notices", **ours, stages_mean=stages,
+             peer=peer_figures if peer_figures is not None else ("not run: no peer environment (make bench)"
+                                                                   if store == "local" else "local lake only"),
+             targets="update and delete p95 <= 300 ms, p99 <= 500 ms local; p99 <= 1 s on S3; "
+                     "search p99 during updates <= 1.2x idle")  # fmt: skip
     finally:
+        for proc in procs:
+            os.killpg(proc.pid, 9)
         broker.terminate()
         broker.wait(30)
 
@@ -527,6 +633,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2.0, help="updates/s in the freshness section")
     parser.add_argument("--fresh-store", choices=["local", "s3"], action="append", help="lake for freshness (local)")
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
+    parser.add_argument("--pathway-python", type=Path, default=ROOT / ".venv-pathway" / "bin" / "python",
+                        help="Pathway's environment (made by make bench): the freshness peer")  # fmt: skip
     args = parser.parse_args()
     sections = set(args.only or ["search", "cold", "http", "freshness", "tail"])
     TAGS["corpus"] = "synthetic"
@@ -550,7 +658,8 @@ def main() -> None:
             bench_tail([5_000, 10_000, 20_000, 40_000])
         if "freshness" in sections:
             for store in args.fresh_store or ["local"]:
-                bench_freshness(work, args.updates, args.rate, store)
+                bench_freshness(work, args.updates, args.rate, store,
+                                args.pathway_python if args.pathway_python.exists() else None)  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
     sys.stdout.flush()
