@@ -682,7 +682,7 @@ def main() -> None:
             start_ray(work_dir=work / "ray2")
             bench_http(work, args.seconds)
         if "tail" in sections:
-            bench_tail([5_000, 10_000, 20_000, 40_000])
+            bench_tail([5_000, 10_000, 20_000, 39_500])
         if "freshness" in sections:
             for store in args.fresh_store or ["local"]:
                 bench_freshness(work, args.updates, args.rate, store,
