@@ -193,7 +193,7 @@ def test_compose_and_kubernetes_run_the_same_pipeline() -> None:
         kind = " ".join(argv[:2]) if argv[0] == "index" else argv[0]
         flags = {a for a in argv if a.startswith("--")}
         by_kind.setdefault(kind, {})[where] = flags
-    compose_only = {"--workers", "--every", "--cache-disk-mb", "--process-id", "--addresses", "--device",
+    compose_only = {"--workers", "--every", "--tail-rows", "--cache-disk-mb", "--process-id", "--addresses", "--device",
                     "--ray-address"}  # fmt: skip
     for kind, variants in by_kind.items():
         cores = {w: f - compose_only for w, f in variants.items() if "RayJob" not in w}
