@@ -35,8 +35,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", required=True, help="the sentence-transformers model directory")
     parser.add_argument("--commit-ms", type=int, default=100)
+    parser.add_argument("--cpu-threads", type=int, help="torch threads (as streamrag's --cpu-threads)")
     parser.add_argument("--kafka-config", default="{}", help="extra librdkafka settings (JSON)")
     args = parser.parse_args()
+    if args.cpu_threads:
+        import torch
+
+        torch.set_num_threads(args.cpu_threads)
     settings = {
         "bootstrap.servers": args.bootstrap,
         "group.id": "pathway-peer",

@@ -349,14 +349,16 @@ def pathway_target(url: str) -> Target:
                   lambda body: [(int(x["metadata"]["title"].split()[-1]), x["text"]) for x in body])  # type: ignore[index,union-attr]  # fmt: skip
 
 
-def start_pathway(bootstrap: str, topic: str, work: Path, python: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_pathway(
+    bootstrap: str, topic: str, work: Path, python: Path, extra: list[str]
+) -> tuple[subprocess.Popen[bytes], str]:
     """``benchmarks/peer_pathway.py`` in the peer environment, once it answers."""
     from serving.models import default_model_path
 
     port = free_port()
     log = (work / "pathway.log").open("wb")
     proc = subprocess.Popen([str(python), str(ROOT / "benchmarks" / "peer_pathway.py"), "--bootstrap", bootstrap,
-                             "--topic", topic, "--port", str(port), "--model", str(default_model_path())],
+                             "--topic", topic, "--port", str(port), "--model", str(default_model_path()), *extra],
                             stdout=log, stderr=log, cwd=work, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -467,7 +469,9 @@ class Changes:
                     search_p99_ratio=round(float(np.percentile(during, 99) / np.percentile(idle, 99)), 2))  # fmt: skip
 
 
-def bench_freshness(work: Path, updates: int, rate: float, store: str, peer: Path | None) -> None:
+def bench_freshness(
+    work: Path, updates: int, rate: float, store: str, peer: Path | None, cpu_threads: int | None = None
+) -> None:
     moto = None
     lake, index = str(work / f"fresh-lake-{store}"), str(work / f"fresh-index-{store}")
     if store == "s3":
@@ -478,7 +482,7 @@ def bench_freshness(work: Path, updates: int, rate: float, store: str, peer: Pat
         boto3.client("s3").create_bucket(Bucket="fresh")
         lake, index = "s3://fresh/lake", "s3://fresh/index"
     try:
-        _freshness(work, updates, rate, store, lake, index, peer)
+        _freshness(work, updates, rate, store, lake, index, peer, cpu_threads)
     finally:
         if moto is not None:
             moto.terminate()
@@ -494,9 +498,10 @@ def pathway_phase(
     updates: list[tuple[int, str]],
     deletes: list[int],
     procs: list[subprocess.Popen[bytes]],
+    extra: list[str],
 ) -> dict[str, Any]:
     """Pathway on the same topic: once it has caught up with every change so far, the same plan."""
-    proc, url = start_pathway(bootstrap, topic, work, python)
+    proc, url = start_pathway(bootstrap, topic, work, python, extra)
     procs.append(proc)
     target = pathway_target(url)
     last = sorted(changes.bodies)[-10:]  # the bulk load's last notes (both partitions, surely)
@@ -512,11 +517,13 @@ def pathway_phase(
                 raise RuntimeError("pathway did not catch up with the topic in 15 minutes")
             time.sleep(1)
     figures = changes.run(target, updates, deletes)
-    figures.update(system="pathway 0.33 VectorStoreServer", commit_ms=100)
+    figures.update(system="pathway 0.33 VectorStoreServer", commit_ms=100, args=extra)
     return figures
 
 
-def _freshness(work: Path, updates: int, rate: float, store: str, lake: str, index: str, peer: Path | None) -> None:
+def _freshness(
+    work: Path, updates: int, rate: float, store: str, lake: str, index: str, peer: Path | None, cpu_threads: int | None
+) -> None:
     docs = load_pydocs()
     rng = random.Random(4)
     paragraphs = [p for d in docs[:60] for p in d.body.split("\n\n") if 200 < len(p) < 600]
@@ -534,7 +541,8 @@ def _freshness(work: Path, updates: int, rate: float, store: str, lake: str, ind
         changes = Changes(producer, topic, {}, rate, queries)
         for pk in range(n_docs):  # unique text per note: each one is its own best match
             changes.send(pk, f"Note {pk} original text. " + paragraphs[pk % len(paragraphs)])
-        ingest = [*CLI, "ingest", "--bootstrap", bootstrap, "--topic", topic, "--lake", lake,
+        threads = ["--cpu-threads", str(cpu_threads)] if cpu_threads else []
+        ingest = [*CLI, "ingest", "--bootstrap", bootstrap, "--topic", topic, "--lake", lake, *threads,
                   "--recovery-dir", str(work / f"fresh-recovery-{store}"), "--batch-max-events", "16",
                   *os.environ.get("FRESH_EXTRA", "").split()]  # fmt: skip
         out = subprocess.run([*ingest, "--until-idle", "4"], capture_output=True, text=True)
@@ -548,7 +556,7 @@ def _freshness(work: Path, updates: int, rate: float, store: str, lake: str, ind
                                start_new_session=True)  # fmt: skip
         procs.append(job)
         # Commit notices from the ingest job (the lake is polled every 2 s as a fallback).
-        server, url = serve(lake, index, work, "--bootstrap", bootstrap)
+        server, url = serve(lake, index, work, "--bootstrap", bootstrap, *threads)
         procs.append(server)
         time.sleep(10)  # the ingest job's model load is not part of the lag
 
@@ -557,7 +565,11 @@ def _freshness(work: Path, updates: int, rate: float, store: str, lake: str, ind
                     for i, pk in ((i, i % updatable) for i in range(updates))]  # fmt: skip
 
         def scrape_both() -> dict[str, float]:
-            return {**scrape(f"http://127.0.0.1:{metrics_port}/metrics"), **scrape(f"{url}/metrics")}
+            # Both processes register both packages' metrics (zeros where unused): take each
+            # metric from the process that observes it.
+            service = scrape(f"{url}/metrics")
+            job = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+            return {**job, **{k: v for k, v in service.items() if k.startswith("streamrag_commit_notice_delay")}}
 
         before = scrape_both()
         ours = changes.run(streamrag_target(url), update_plan("Ours"), list(range(updatable, updatable + n_deletes)))
@@ -586,10 +598,11 @@ def _freshness(work: Path, updates: int, rate: float, store: str, lake: str, ind
         elif peer is not None:
             try:
                 peer_figures = pathway_phase(changes, bootstrap, topic, work, peer, update_plan("Peer"),
-                                             list(range(updatable + n_deletes, n_docs)), procs)  # fmt: skip
+                                             list(range(updatable + n_deletes, n_docs)), procs, threads)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - our figures still stand; say why the peer's are missing
                 peer_figures = f"failed: {exc}"
-        emit(bench="freshness", lake=store, rate_per_s=rate, push="commit notices", **ours, stages_mean=stages,
+        emit(bench="freshness", lake=store, rate_per_s=rate, push="commit notices", cpu_threads=cpu_threads,
+             **ours, stages_mean=stages,
              peer=peer_figures,
              targets="update and delete p95 <= 300 ms, p99 <= 500 ms local; p99 <= 1 s on S3; "
                      "search p99 during updates <= 1.2x idle")  # fmt: skip
@@ -660,6 +673,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2.0, help="updates/s in the freshness section")
     parser.add_argument("--fresh-store", choices=["local", "s3"], action="append", help="lake for freshness (local)")
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
+    parser.add_argument("--cpu-threads", type=int, help="freshness: --cpu-threads of ingest, serve and the peer")
     parser.add_argument("--pathway-python", type=Path, default=ROOT / ".venv-pathway" / "bin" / "python",
                         help="Pathway's environment (made by make bench): the freshness peer")  # fmt: skip
     args = parser.parse_args()
@@ -686,7 +700,8 @@ def main() -> None:
         if "freshness" in sections:
             for store in args.fresh_store or ["local"]:
                 bench_freshness(work, args.updates, args.rate, store,
-                                args.pathway_python if args.pathway_python.exists() else None)  # fmt: skip
+                                args.pathway_python if args.pathway_python.exists() else None,
+                                args.cpu_threads)  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
     sys.stdout.flush()

@@ -54,6 +54,7 @@ class Runtime:
             device=self.settings.device,
             dtype=self.settings.dtype,
             token_budget=self.settings.embed_token_budget,
+            cpu_threads=self.settings.cpu_threads,
         )
 
     @cached_property

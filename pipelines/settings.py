@@ -35,6 +35,7 @@ class IngestSettings(BaseSettings):
     model: str | None = None
     device: str = "auto"
     dtype: str = Field("auto", pattern=r"^(auto|fp32|bf16|fp16)$")
+    cpu_threads: int | None = Field(None, ge=1, le=1024)
     workers: int = Field(1, ge=1, le=256)
     writers: int = Field(2, ge=1, le=256)
     recovery_dir: str | None = None

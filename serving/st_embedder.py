@@ -26,6 +26,7 @@ class SentenceTransformerEmbedder(Embedder):
         device: str = "auto",
         token_budget: int = 8192,
         dtype: Any = None,
+        cpu_threads: int | None = None,
     ) -> None:
         super().__init__(token_budget)
         # Offline by construction: a model id that is not a directory was rejected above,
@@ -33,6 +34,11 @@ class SentenceTransformerEmbedder(Embedder):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         from sentence_transformers import SentenceTransformer
+
+        if cpu_threads is not None:  # torch's intra-op pool is per process: the last setting wins
+            import torch
+
+            torch.set_num_threads(cpu_threads)
 
         name, path = resolve_model(model)
         self.device, default_dtype = pick_device(device)
