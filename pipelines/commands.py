@@ -51,7 +51,7 @@ def add_commands(sub: Any) -> None:
         "--cpu-threads",
         type=int,
         help="threads the model uses on CPU (default: all cores); 1 on a machine shared with `serve` "
-        "(measured: update p95 596 -> 285 ms on 2 cores)",
+        "(measured on 2 cores: update visible p95 596 -> 285-307 ms)",
     )
     p.add_argument("--writers", type=int, help="lake writers (fixed when the lake is created; default 2)")
     p.add_argument("--job-name", help="names this job's lake writers (default 'ingest')")
