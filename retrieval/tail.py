@@ -111,8 +111,12 @@ class TailLog:
             self.n += count
             self._compact_batches()
         else:
-            self.index.extend(self._vectors, self._upsert, self.n)  # swaps in an index trained meanwhile
+            self.refresh_index()
         self.version = version
+
+    def refresh_index(self) -> None:
+        """Swap in an IVF index trained in the background since the last append, if any."""
+        self.index.extend(self._vectors, self._upsert, self.n)
 
     @property
     def first_version(self) -> int | None:
@@ -338,6 +342,7 @@ class LakeTail:
                 if self._log_cleaned_up(state.version):
                     self.state = self._from_snapshot(state)
                     return True
+                state.log.refresh_index()  # a quiet stream still gets the index trained meanwhile
                 self.state = state.checked()
                 return False
             state.log.append(rows, version)  # the live state is always its log's newest snapshot

@@ -11,7 +11,6 @@ import random
 import threading
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 import retrieval.tail as tail_module
@@ -52,11 +51,11 @@ def grow(log: TailLog, rows: int, first_version: int, seed: int) -> int:
 
 
 def trained(log: TailLog) -> None:
-    """Wait for the background training, then let an empty append swap the index in."""
+    """Wait for the background training, then let the poller's refresh swap the index in."""
     thread = log.index._training
     assert thread is not None, "the tail never started training its index"
     thread.join(60)
-    log.append(pa.table({}), log.version)
+    log.refresh_index()
     assert log.index.rows == log.n
 
 
