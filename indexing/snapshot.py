@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from indexing.store import NotFound, ObjectStore, open_store
 from pipelines.lake import CHUNKS, CHUNKS_SCHEMA, Lake, LakeError, embeddings, latest_rows
 
 #: What a shard's id map keeps of each chunk: enough to answer and to trace lineage.
@@ -106,6 +108,34 @@ def writer_seqs(rows: pa.Table) -> dict[str, int]:
     }
 
 
+@dataclass(frozen=True)
+class CommitChanges:
+    """What one Delta commit changed in the data: compaction rewrites (``dataChange: false``) left out."""
+
+    adds: list[dict[str, Any]]  # the ``add`` actions of files with new data
+    removes_data: bool  # whether it removed rows (a DELETE or an overwrite)
+
+
+def commit_changes(store: ObjectStore, version: int) -> CommitChanges | None:
+    """The data changes of commit ``version`` of the Delta table in ``store`` (one GET); None if
+    its log file does not exist (not committed yet, or cleaned up)."""
+    try:
+        raw = store.get(f"_delta_log/{version:020d}.json")
+    except NotFound:
+        return None
+    adds, removes = [], False
+    for line in raw.decode().splitlines():
+        if not line.strip():
+            continue
+        action = json.loads(line)
+        add, remove = action.get("add"), action.get("remove")
+        if add and add.get("dataChange", True):
+            adds.append(add)
+        if remove and remove.get("dataChange", True):
+            removes = True
+    return CommitChanges(adds, removes)
+
+
 def rows_committed(lake: Lake, after: int, until: int) -> int | None:
     """Rows that commits (after, until] of the ``chunks`` table added with new data, from the
     log's file statistics (one small GET per commit); None if a commit's log or statistics
@@ -113,19 +143,13 @@ def rows_committed(lake: Lake, after: int, until: int) -> int | None:
 
     Compaction rewrites (``dataChange: false``) are not counted: they change no chunk.
     """
-    from indexing.store import NotFound, open_store
-
     store = open_store(lake.table_uri(CHUNKS), lake.store)
     total = 0
     for version in range(after + 1, until + 1):
-        try:
-            raw = store.get(f"_delta_log/{version:020d}.json")
-        except NotFound:
+        changes = commit_changes(store, version)
+        if changes is None:
             return None
-        for line in raw.decode().splitlines():
-            add = json.loads(line).get("add") if line.strip() else None
-            if not add or not add.get("dataChange", True):
-                continue
+        for add in changes.adds:
             records = json.loads(add.get("stats") or "{}").get("numRecords")
             if records is None:
                 return None

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from indexing.snapshot import commit_changes
 from indexing.store import NotFound, ObjectStore, open_store
 from pipelines.lake import CHUNKS, CHUNKS_SCHEMA, Lake
 
@@ -46,22 +47,12 @@ class LogReader:
 
     def commit(self, version: int) -> list[str] | None:
         """Data files that ``version`` added with new data; None if it does not exist yet."""
-        try:
-            raw = self.store.get(f"_delta_log/{version:020d}.json")
-        except NotFound:
+        changes = commit_changes(self.store, version)
+        if changes is None:
             return None
-        files = []
-        for line in raw.decode().splitlines():
-            if not line.strip():
-                continue
-            action = json.loads(line)
-            add = action.get("add")
-            if add and add.get("dataChange", True):
-                files.append(unquote(add["path"]))
-            remove = action.get("remove")
-            if remove and remove.get("dataChange", True) and version not in self.removals:
-                self.removals.append(version)
-        return files
+        if changes.removes_data and version not in self.removals:
+            self.removals.append(version)
+        return [unquote(add["path"]) for add in changes.adds]
 
     def cleaned_up(self, after: int) -> bool:
         """Whether lake version ``after + 1`` was committed but its log file is gone.
