@@ -238,17 +238,25 @@ def serve(lake: str, index: str, work: Path, *extra: str, answers: bool = False)
                              "--cache-dir", str(work / f"cache-{port}"), *extra],
                             stdout=log, stderr=log, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    wait_ready(proc, work / f"serve-{port}.log", "serve", lambda: httpx.get(f"{url}/healthz", timeout=2))
+    return proc, url
+
+
+def wait_ready(
+    proc: subprocess.Popen[bytes], log: Path, name: str, probe: Callable[[], httpx.Response], poll_s: float = 0.3
+) -> None:
+    """Wait (up to 300 s) until ``probe`` answers 200; fail with the log's tail if ``proc`` exits."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"serve exited: {(work / f'serve-{port}.log').read_text()[-2000:]}")
+            raise RuntimeError(f"{name} exited: {log.read_text()[-2000:]}")
         try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return proc, url
+            if probe().status_code == 200:
+                return
         except httpx.TransportError:
             pass
-        time.sleep(0.3)
-    raise RuntimeError("serve did not become ready")
+        time.sleep(poll_s)
+    raise RuntimeError(f"{name} did not become ready")
 
 
 def load(url: str, queries: list[str], clients: int, seconds: float) -> tuple[list[float], int]:
@@ -361,17 +369,12 @@ def start_pathway(
                              "--topic", topic, "--port", str(port), "--model", str(default_model_path()), *extra],
                             stdout=log, stderr=log, cwd=work, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pathway exited: {(work / 'pathway.log').read_text()[-2000:]}")
-        try:
-            if httpx.post(f"{url}/v1/retrieve", json={"query": "note", "k": 1}, timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("pathway did not answer")
+
+    def answers() -> httpx.Response:
+        return httpx.post(f"{url}/v1/retrieve", json={"query": "note", "k": 1}, timeout=5)
+
+    wait_ready(proc, work / "pathway.log", "pathway", answers, poll_s=0.5)
+    return proc, url
 
 
 class Changes:
