@@ -111,7 +111,9 @@ class Readers:
 
     def wait_for(self, version: int, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
-        while version not in self.seen and time.monotonic() < deadline and not self.errors:
+        # Seen and verified: a manifest that lands between one poll's listing and its search is
+        # seen by the search first and verified on the next poll.
+        while not {version} <= self.seen & self.verified and time.monotonic() < deadline and not self.errors:
             time.sleep(0.1)
 
     def stop(self) -> None:
