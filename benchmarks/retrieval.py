@@ -21,6 +21,7 @@ Sections
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -297,11 +298,12 @@ def bench_http(work: Path, seconds: float) -> None:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Prometheus samples at ``url`` by name (labels dropped: the names used here have none)."""
+    """Prometheus samples at ``url`` by name: unlabelled ones, and the chunks table's."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url, timeout=10).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.labels in ({}, {"table": "chunks"})}  # fmt: skip
 
 
 def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
@@ -313,7 +315,9 @@ def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, 
 
     return {
         "produce_to_commit_ms": mean("streamrag_ingest_event_to_commit_seconds"),
+        "produce_to_read_ms": mean("streamrag_ingest_fetch_delay_seconds"),
         "embed_batch_ms": mean("streamrag_ingest_embed_seconds"),
+        "commit_batch_ms": mean("streamrag_ingest_commit_seconds"),
         "commit_to_notice_ms": mean("streamrag_commit_notice_delay_seconds"),
     }
 
@@ -472,6 +476,10 @@ class Changes:
                     search_p99_ratio=round(float(np.percentile(during, 99) / np.percentile(idle, 99)), 2))  # fmt: skip
 
 
+#: both systems' librdkafka fetch.wait.max.ms: Tansu holds a fetch for its whole wait (docs/PITFALLS.md)
+FETCH_WAIT_MS = 10
+
+
 def bench_freshness(
     work: Path, updates: int, rate: float, store: str, peer: Path | None, cpu_threads: int | None = None
 ) -> None:
@@ -547,6 +555,7 @@ def _freshness(
         threads = ["--cpu-threads", str(cpu_threads)] if cpu_threads else []
         ingest = [*CLI, "ingest", "--bootstrap", bootstrap, "--topic", topic, "--lake", lake, *threads,
                   "--recovery-dir", str(work / f"fresh-recovery-{store}"), "--batch-max-events", "16",
+                  "--fetch-wait-ms", str(FETCH_WAIT_MS),
                   *os.environ.get("FRESH_EXTRA", "").split()]  # fmt: skip
         out = subprocess.run([*ingest, "--until-idle", "4"], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-2000:]
@@ -596,15 +605,18 @@ def _freshness(
 
         # The peer, alone on the machine as ours was, on the same broker, topic and notes.
         peer_figures: dict[str, Any] | str = "not run: no peer environment (make bench)"
+        fetch_wait = {"fetch.wait.max.ms": str(FETCH_WAIT_MS)}  # the same Kafka client setting as ours
         if store != "local":
             peer_figures = "local lake only"
         elif peer is not None:
             try:
                 peer_figures = pathway_phase(changes, bootstrap, topic, work, peer, update_plan("Peer"),
-                                             list(range(updatable + n_deletes, n_docs)), procs, threads)  # fmt: skip
+                                             list(range(updatable + n_deletes, n_docs)), procs,
+                                             [*threads, "--kafka-config", json.dumps(fetch_wait)])  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - our figures still stand; say why the peer's are missing
                 peer_figures = f"failed: {exc}"
         emit(bench="freshness", lake=store, rate_per_s=rate, push="commit notices", cpu_threads=cpu_threads,
+             fetch_wait_ms=FETCH_WAIT_MS,
              **ours, stages_mean=stages,
              peer=peer_figures,
              targets="update and delete p95 <= 300 ms, p99 <= 500 ms local; p99 <= 1 s on S3; "

@@ -71,6 +71,12 @@ def add_commands(sub: Any) -> None:
         help="longest wait to fill a micro-batch under a backlog (200); a lone change waits none",
     )
     p.add_argument(
+        "--fetch-wait-ms",
+        type=int,
+        help="longest a Kafka fetch waits for data (100); Kafka answers as soon as data arrives, "
+        "Tansu (the embedded broker) holds the fetch: 10 there",
+    )
+    p.add_argument(
         "--notices-topic",
         help="Kafka topic announcing each lake commit to serving replicas (streamrag.commits; '' for none)",
     )

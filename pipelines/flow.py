@@ -7,6 +7,7 @@ Run it with ``streamrag ingest`` or ``python -m bytewax.run "pipelines.flow:buil
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
@@ -18,6 +19,7 @@ import pyarrow as pa
 from bytewax.connectors.kafka import KafkaSourceMessage
 from bytewax.dataflow import Dataflow, Stream
 from bytewax.inputs import Source
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
 
 from pipelines import metrics
 from pipelines.batching import adaptive_collect
@@ -78,6 +80,8 @@ class Runtime:
             metrics.EVENTS.labels("consumer-error").inc()
             return None
         msg = item
+        if msg.timestamp is not None and msg.timestamp[0] != TIMESTAMP_NOT_AVAILABLE:
+            metrics.FETCH_DELAY.observe(max(0.0, time.time() - msg.timestamp[1] / 1000))
         headers = tuple((k, v if isinstance(v, bytes) else bytes(v or b"")) for k, v in (msg.headers or []))
         result = decode(msg.key, msg.value, coords, self.mappings, headers)
         metrics.EVENTS.labels("dead-letter" if isinstance(result, DeadLetter) else "decoded").inc()
@@ -120,7 +124,7 @@ def build_flow(
             brokers=[settings.bootstrap],
             topics=settings.topics,
             idle_s=settings.until_idle_s,
-            add_config=settings.kafka_config,
+            add_config={**settings.kafka_config, "fetch.wait.max.ms": str(settings.fetch_wait_ms)},
         )
     if publish_dead_letters is None:
         publish_dead_letters = DeadLetterProducer(

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 SourceItem = KafkaSourceMessage[bytes | None, bytes | None] | KafkaError[bytes | None, bytes | None]
 
+#: the pause after an empty poll of the source (see _IdlePartition.next_batch)
+IDLE_POLL_MS = 10
+
 #: librdkafka's default partitioner differs from Java's; Debezium (Java) uses murmur2.
 PRODUCER_DEFAULTS = {"partitioner": "murmur2_random", "enable.idempotence": "true", "acks": "all"}
 
@@ -55,8 +58,9 @@ class _IdlePartition(StatefulSourcePartition[SourceItem, Any]):
         else:
             if self._idle_s is not None and now - self._last >= self._idle_s:
                 raise StopIteration()
-            # Don't spin: the embedder needs the CPU more than an empty poll does.
-            self._awake = datetime.now(UTC) + timedelta(milliseconds=50)
+            # Don't spin: the embedder needs the CPU more than an empty poll does. 10 ms costs
+            # about 1% of a core and adds 5 ms on average to a change on a quiet stream.
+            self._awake = datetime.now(UTC) + timedelta(milliseconds=IDLE_POLL_MS)
         return batch
 
     def next_awake(self) -> datetime | None:

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 from deltalake import CommitProperties, Transaction, write_deltalake
 
+from pipelines import metrics
 from pipelines.lake import IDENTITY, Lake
 from serving.retry import attempts, retrying
 
@@ -130,6 +131,7 @@ class LakeWriter:
             app_transactions=[Transaction(self.app_id, seq)],
             custom_metadata={"streamrag.writer": self.app_id, "streamrag.seq": str(seq)},
         )
+        started = time.perf_counter()
         for attempt in retrying(
             retry_on=lambda exc: not isinstance(exc, ConcurrentWriterError),
             stop=attempts(self.retries + 1),
@@ -149,6 +151,7 @@ class LakeWriter:
                         f"but found {landed}: two jobs share one lake writer id."
                     )
                 write_deltalake(self._dt, rows, mode="append", commit_properties=props)
+        metrics.COMMIT_SECONDS.labels(self.table_name).observe(time.perf_counter() - started)
         self.seq = seq
         if self.compact_every and seq % self.compact_every == 0:
             self.maintain()

@@ -20,6 +20,17 @@ LAG = Histogram(
     "Source event time to Delta commit",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 3600),
 )
+FETCH_DELAY = Histogram(
+    "streamrag_ingest_fetch_delay_seconds",
+    "A message's Kafka timestamp (produce time) to the job reading it",
+    buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+)
+COMMIT_SECONDS = Histogram(
+    "streamrag_ingest_commit_seconds",
+    "Time committing one micro-batch to a Delta table (retries included), by table",
+    ["table"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60),
+)
 EMBED_SECONDS = Histogram("streamrag_ingest_embed_seconds", "Time embedding one micro-batch")
 NOTICES = Counter(
     "streamrag_commit_notices_total", "Commit notices: sent and failed (ingest), received (serve)", ["outcome"]

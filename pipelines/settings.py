@@ -43,6 +43,7 @@ class IngestSettings(BaseSettings):
     until_idle_s: float | None = Field(None, gt=0)
     batch_max_events: int = Field(256, ge=1)
     batch_timeout_ms: int = Field(200, ge=1)
+    fetch_wait_ms: int = Field(100, ge=1, le=10_000)
     chunk_max_tokens: int = Field(200, ge=16)
     chunk_overlap_tokens: int = Field(24, ge=0)
     embed_token_budget: int = Field(8192, ge=64)

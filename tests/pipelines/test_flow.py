@@ -106,3 +106,35 @@ def test_a_lake_refuses_vectors_of_another_model(tmp_path: Path) -> None:
     run_main(build_flow(settings, TestingSource(messages(tmp_path, corpus)), Published(), FakeEmbedder(dim=32)))
     with pytest.raises(LakeError, match="vectors of different models must not mix"):
         build_flow(settings, TestingSource([]), Published(), FakeEmbedder(dim=16))
+
+
+def test_stage_metrics_time_the_fetch_and_the_commit(tmp_path: Path) -> None:
+    """A message's Kafka timestamp is where the fetch delay starts; each chunks commit is timed."""
+    import time
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    corpus = make_corpus(seed=5, docs=4, updates=0, deletes=0)
+    produced_ms = int(time.time() * 1000) - 2000  # produced 2 s before the job reads it
+    msgs = [
+        KafkaSourceMessage(
+            key=m.key, value=m.value, topic=TOPIC, partition=0, offset=m.offset, timestamp=(1, produced_ms)
+        )
+        for m in messages(tmp_path, corpus)
+    ]
+    untimed = KafkaSourceMessage(key=msgs[0].key, value=msgs[0].value, topic=TOPIC, partition=0, offset=99,
+                                 timestamp=(0, 0))  # fmt: skip  # TIMESTAMP_NOT_AVAILABLE: not observed
+    before = {
+        n: sample(n) for n in ("streamrag_ingest_fetch_delay_seconds_count", "streamrag_ingest_fetch_delay_seconds_sum")
+    }
+    commits = sample("streamrag_ingest_commit_seconds_count", table="chunks")
+    settings = prepare(settings_for(tmp_path))
+    run_main(build_flow(settings, TestingSource([*msgs, untimed]), Published(), FakeEmbedder()))
+    observed = (
+        sample("streamrag_ingest_fetch_delay_seconds_count") - before["streamrag_ingest_fetch_delay_seconds_count"]
+    )
+    assert observed == len(msgs)
+    delay = sample("streamrag_ingest_fetch_delay_seconds_sum") - before["streamrag_ingest_fetch_delay_seconds_sum"]
+    assert 2.0 * len(msgs) <= delay < 60.0 * len(msgs)
+    assert sample("streamrag_ingest_commit_seconds_count", table="chunks") > commits
