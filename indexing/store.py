@@ -14,11 +14,13 @@ Errors are translated at the edge into this small hierarchy::
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,6 +56,10 @@ class ObjectStore(ABC):
     def get(self, key: str) -> bytes: ...
 
     @abstractmethod
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Bytes ``[start, start + length)`` of a file (fewer only past its end: callers verify)."""
+
+    @abstractmethod
     def put(self, key: str, data: bytes, if_absent: bool = False) -> None: ...
 
     @abstractmethod
@@ -83,6 +89,18 @@ class LocalStore(ObjectStore):
     def get(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
+        except FileNotFoundError as exc:
+            raise NotFound(f"{self.uri(key)} does not exist.") from exc
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot read {self.uri(key)}: {exc}") from exc
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        try:
+            with self._path(key).open("rb") as fh:
+                fh.seek(start)
+                return fh.read(length)
         except FileNotFoundError as exc:
             raise NotFound(f"{self.uri(key)} does not exist.") from exc
         except OSError as exc:
@@ -202,6 +220,17 @@ class S3Store(ObjectStore):
 
         return self._patiently("get", key, op)
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+
+        def op() -> bytes:
+            span = f"bytes={start}-{start + length - 1}"
+            body: bytes = self._client.get_object(Bucket=self._bucket, Key=self._key(key), Range=span)["Body"].read()
+            return body
+
+        return self._patiently("get", key, op)
+
     def put(self, key: str, data: bytes, if_absent: bool = False) -> None:
         extra = {"IfNoneMatch": "*"} if if_absent else {}
         self._patiently(
@@ -229,3 +258,41 @@ def open_store(uri: str, settings: ObjectStoreSettings | None = None) -> ObjectS
     if is_s3(root):
         return S3Store(root, settings or ObjectStoreSettings())
     return LocalStore(root)
+
+
+#: ranges closer than this are fetched as one request (a request costs more than the gap's bytes)
+COALESCE_GAP = 64 << 10
+
+
+def coalesce(ranges: list[tuple[int, int]], gap: int = COALESCE_GAP) -> list[tuple[int, int]]:
+    """(start, length) ranges merged where they overlap or lie within ``gap`` bytes, sorted."""
+    merged: list[tuple[int, int]] = []
+    for start, length in sorted(r for r in ranges if r[1] > 0):
+        if merged and start <= merged[-1][0] + merged[-1][1] + gap:
+            first, size = merged[-1]
+            merged[-1] = (first, max(size, start + length - first))
+        else:
+            merged.append((start, length))
+    return merged
+
+
+def get_ranges(
+    store: ObjectStore, key: str, ranges: list[tuple[int, int]], pool: Executor | None = None, gap: int = COALESCE_GAP
+) -> tuple[list[bytes], int, int]:
+    """The bytes of each (start, length) range of one file, in order; requests and bytes moved.
+
+    Near ranges share a request (``coalesce``); the requests run on ``pool`` in parallel.
+    """
+    spans = coalesce(ranges, gap)
+
+    def fetch(span: tuple[int, int]) -> bytes:
+        return store.get_range(key, *span)
+
+    blobs = list(pool.map(fetch, spans)) if pool is not None and len(spans) > 1 else [fetch(s) for s in spans]
+    starts = [s for s, _ in spans]
+    out = []
+    for start, length in ranges:
+        i = bisect.bisect_right(starts, start) - 1
+        offset = start - spans[i][0] if i >= 0 else 0
+        out.append(blobs[i][offset : offset + length] if length > 0 and i >= 0 else b"")
+    return out, len(spans), sum(len(b) for b in blobs)
