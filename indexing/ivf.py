@@ -28,7 +28,17 @@ from tqdm import tqdm
 
 from indexing.distributed import RayData
 from indexing.kmeans import KMeansResult, nearest, train_kmeans
-from indexing.manifest import Manifest, ShardRef, get_verified, load_manifest, put_file
+from indexing.lists import encode_lists, save_codec, train_codec
+from indexing.manifest import (
+    FORMAT_VERSION,
+    RANGED_FORMAT_VERSION,
+    FileRef,
+    Manifest,
+    ShardRef,
+    get_verified,
+    load_manifest,
+    put_file,
+)
 from indexing.snapshot import Partition, Snapshot, load_partition
 from indexing.store import ObjectStore, open_store
 from pipelines.storage import ObjectStoreSettings
@@ -53,6 +63,8 @@ class BuildOptions:
     #: retrain when quantization error grew by more than this fraction since training
     drift_threshold: float = 0.10
     progress: bool = True
+    #: "flat" (float32 IVF shards, read whole) or a compressed, list-granular codec (indexing.lists)
+    codec: str = "flat"
 
 
 def choose_nlist(n: int) -> int:
@@ -84,6 +96,10 @@ def _assign(part: Partition, centroids: np.ndarray) -> tuple[np.ndarray, float]:
     return np.bincount(labels, minlength=len(centroids)), float(dist.astype(np.float64).sum())
 
 
+def _bounds(part: Partition) -> tuple[np.ndarray, np.ndarray]:
+    return part.vectors.min(axis=0), part.vectors.max(axis=0)
+
+
 def _blocks(part: Partition, ranges: list[tuple[int, int]]) -> list[Any]:
     """This partition's rows of each shard, as Ray objects (handed to shard tasks directly)."""
     import ray
@@ -96,9 +112,18 @@ def _blocks(part: Partition, ranges: list[tuple[int, int]]) -> list[Any]:
     return refs
 
 
+@dataclass(frozen=True)
+class Codec:
+    """A compressed codec's name, parameters and the file that holds them."""
+
+    name: str
+    trained: np.ndarray
+    ref: FileRef
+
+
 def build_shard(
     store_uri: str, settings: ObjectStoreSettings, prefix: str, start: int, end: int, nlist: int, dim: int,
-    *blocks: tuple[np.ndarray, np.ndarray, pa.Table],
+    codec: Codec | None, *blocks: tuple[np.ndarray, np.ndarray, pa.Table],
 ) -> ShardRef:  # fmt: skip
     """One IVF shard (lists [start, end)) and its id map, written to the store."""
     store = open_store(store_uri, settings)
@@ -107,9 +132,23 @@ def build_shard(
     rows = pa.concat_tables([b[2] for b in blocks])
     order = np.argsort(labels, kind="stable")
     vectors, labels, rows = np.ascontiguousarray(vectors[order]), labels[order], rows.take(pa.array(order))
+    name = f"{prefix}/shard-{start:06d}-{end:06d}"
+    ids = np.arange(len(vectors), dtype=np.int64)
+    rows = rows.append_column("faiss_id", pa.array(ids)).append_column("list_no", pa.array(labels, pa.int32()))
+    sink = io.BytesIO()
+    pq.write_table(rows, sink, compression="zstd")
+    if codec is not None:
+        lists, floats, table = encode_lists(vectors, labels, start, end, codec.name, codec.trained)
+        return ShardRef(
+            put_file(store, f"{name}.lists", lists),
+            put_file(store, f"{name}.ids.parquet", sink.getvalue()),
+            start, end, len(vectors),
+            table=put_file(store, f"{name}.table.npz", table.to_bytes()),
+            vectors=put_file(store, f"{name}.vectors", floats),
+            codec=codec.ref,
+        )  # fmt: skip
     index = faiss.IndexIVFFlat(faiss.IndexFlatL2(dim), dim, nlist, faiss.METRIC_L2)
     index.is_trained = True  # the coarse quantizer lives in the manifest's centroids
-    ids = np.arange(len(vectors), dtype=np.int64)
     bounds = np.searchsorted(labels, np.arange(start, end + 1))
     invlists: Any = index.invlists
     for list_no, (lo, hi) in zip(range(start, end), itertools.pairwise(bounds), strict=True):
@@ -119,10 +158,6 @@ def build_shard(
             invlists.add_entries(int(list_no), int(hi - lo), faiss.swig_ptr(list_ids), faiss.swig_ptr(codes))
     index.ntotal = len(vectors)
     blob = faiss.serialize_index(index).tobytes()
-    rows = rows.append_column("faiss_id", pa.array(ids)).append_column("list_no", pa.array(labels, pa.int32()))
-    sink = io.BytesIO()
-    pq.write_table(rows, sink, compression="zstd")
-    name = f"{prefix}/shard-{start:06d}-{end:06d}"
     index_ref = put_file(store, f"{name}.faiss", blob)
     ids_ref = put_file(store, f"{name}.ids.parquet", sink.getvalue())
     return ShardRef(index_ref, ids_ref, start, end, len(vectors))
@@ -212,10 +247,17 @@ def build_index(
         sink = io.BytesIO()
         np.save(sink, centroids.astype(np.float32))
         centroids_ref = put_file(store, f"{prefix}/centroids.npy", sink.getvalue())
+        codec = None
+        if opts.codec != "flat":
+            bounds = data.map(_bounds)
+            trained = train_codec(
+                opts.codec, np.min([b[0] for b in bounds], axis=0), np.max([b[1] for b in bounds], axis=0)
+            )
+            codec = Codec(opts.codec, trained, put_file(store, f"{prefix}/codec.npz", save_codec(opts.codec, trained)))
         per_part = data.map(_blocks, ranges)  # [partition][shard] → Ray object refs
         task = ray.remote(build_shard)
         futures = [
-            task.remote(store_uri, settings, prefix, start, end, len(centroids), snap.dim,
+            task.remote(store_uri, settings, prefix, start, end, len(centroids), snap.dim, codec,
                         *[blocks[i] for blocks in per_part])
             for i, (start, end) in enumerate(ranges)
         ]  # fmt: skip
@@ -254,4 +296,6 @@ def build_index(
         shards=shards,
         stats=stats,
         writer_seqs=snap.writer_seqs,
+        codec=opts.codec,
+        format_version=FORMAT_VERSION if opts.codec == "flat" else RANGED_FORMAT_VERSION,
     )

@@ -29,7 +29,9 @@ from indexing.store import AlreadyExists, NotFound, ObjectStore
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # float IVF shards: what every reader since the first understands
+#: compressed, list-granular shards (``indexing.lists``): older readers refuse them cleanly
+RANGED_FORMAT_VERSION = 2
 _VERSION_KEY = re.compile(r"^versions/(\d{8})\.json$")
 
 
@@ -46,11 +48,26 @@ class FileRef:
 
 @dataclass(frozen=True)
 class ShardRef:
+    """One shard's files. A float shard (codec "flat") is one faiss IVF file (``index``); a
+    compressed one (``indexing.lists``) is ``index`` = its ``.lists`` file, read by range
+    through ``table``, with ``vectors`` for exact re-ranking and ``codec`` its parameters."""
+
     index: FileRef
     ids: FileRef
     list_start: int  # first IVF list in the shard
     list_end: int  # one past the last
     count: int
+    table: FileRef | None = None
+    vectors: FileRef | None = None
+    codec: FileRef | None = None
+
+    @property
+    def ranged(self) -> bool:
+        """Lists fetched by byte range (a compressed shard), not the whole file."""
+        return self.table is not None
+
+    def files(self) -> list[FileRef]:
+        return [f for f in (self.index, self.ids, self.table, self.vectors, self.codec) if f is not None]
 
 
 @dataclass
@@ -71,6 +88,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     #: each lake writer's last commit number at ``lake_version`` (empty in older manifests)
     writer_seqs: dict[str, int] = field(default_factory=dict)
+    #: how vectors are stored in the shards: "flat" (float32 IVF) or a ``indexing.lists`` codec
+    codec: str = "flat"
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
@@ -78,11 +97,27 @@ class Manifest:
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
         obj = json.loads(raw)
-        if obj.get("format_version") != FORMAT_VERSION:
-            raise ManifestError(f"manifest format {obj.get('format_version')} is not {FORMAT_VERSION}.")
+        if obj.get("format_version") not in (FORMAT_VERSION, RANGED_FORMAT_VERSION):
+            raise ManifestError(
+                f"manifest format {obj.get('format_version')} is not one this reader knows "
+                f"({FORMAT_VERSION}, {RANGED_FORMAT_VERSION}): upgrade streamrag."
+            )
         obj["centroids"] = FileRef(**obj["centroids"])
+
+        def ref(raw: dict[str, Any] | None) -> FileRef | None:
+            return FileRef(**raw) if raw is not None else None
+
         obj["shards"] = [
-            ShardRef(FileRef(**s["index"]), FileRef(**s["ids"]), s["list_start"], s["list_end"], s["count"])
+            ShardRef(
+                FileRef(**s["index"]),
+                FileRef(**s["ids"]),
+                s["list_start"],
+                s["list_end"],
+                s["count"],
+                ref(s.get("table")),
+                ref(s.get("vectors")),
+                ref(s.get("codec")),
+            )
             for s in obj["shards"]
         ]
         known = {f.name for f in fields(cls)}

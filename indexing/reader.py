@@ -23,28 +23,39 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from indexing.lists import ByteBudget, Fetched, ListTable, ResidentLists, load_codec, search_lists
 from indexing.manifest import Manifest, ShardRef, get_verified, load_manifest
-from indexing.store import ObjectStore
+from indexing.store import ObjectStore, get_ranges
 
 
 @dataclass
 class LoadedShard:
-    index: Any  # faiss.IndexIVFFlat (the SWIG stubs don't know the numpy wrappers)
+    index: Any  # faiss.IndexIVFFlat (None for a ranged shard: see ``lists``)
     ids: pa.Table
     #: memoized per-shard data derived from ``ids`` (filter masks), owned by callers
     derived: dict[Any, Any] = field(default_factory=dict)
+    #: a compressed shard's lists, fetched by range as queries probe them
+    lists: ResidentLists | None = None
 
     @property
     def nbytes(self) -> int:
+        """Memory held for the shard itself (a ranged shard's lists are counted as they arrive)."""
+        if self.lists is not None:
+            return self.lists.table.nbytes + int(self.ids.nbytes)
         return int(self.index.ntotal) * int(self.index.code_size) + int(self.ids.nbytes)
 
 
 def stored_vector(shard: LoadedShard, faiss_id: int) -> np.ndarray:
-    """The vector stored for one entry (IVF-Flat codes are the raw float32 vectors).
+    """The vector stored for one entry (IVF-Flat codes are the raw float32 vectors; a
+    ranged shard fetches it from its vectors file).
 
     Entries of a list carry consecutive faiss ids (the builder sorts by list), so the
     entry's offset in its list is its id minus the list's first id.
     """
+    if shard.lists is not None:
+        rows = np.array([faiss_id], np.int64)
+        found: np.ndarray = shard.lists.vectors(rows, shard.lists.digests_of(rows, {}))[0]
+        return found
     list_no = int(shard.ids.column("list_no")[faiss_id].as_py())
     invlists: Any = shard.index.invlists
     n = int(invlists.list_size(list_no))
@@ -57,8 +68,12 @@ def stored_vector(shard: LoadedShard, faiss_id: int) -> np.ndarray:
     return vector
 
 
-def load_shard(store: ObjectStore, ref: ShardRef) -> LoadedShard:
-    """Fetch and verify one shard and its id map."""
+def load_shard(store: ObjectStore, ref: ShardRef, budget: ByteBudget | None = None) -> LoadedShard:
+    """Fetch and verify one shard and its id map (a ranged shard: its list table, not its lists)."""
+    if ref.ranged:
+        assert ref.table is not None and ref.codec is not None
+        table, ids, codec = (get_verified(store, r) for r in (ref.table, ref.ids, ref.codec))
+        return open_ranged_shard(store, ref, table, ids, codec, budget)
     blob = get_verified(store, ref.index)
     return decode_shard(blob, get_verified(store, ref.ids))
 
@@ -66,6 +81,45 @@ def load_shard(store: ObjectStore, ref: ShardRef) -> LoadedShard:
 def decode_shard(index_blob: bytes, ids_blob: bytes) -> LoadedShard:
     index = faiss.deserialize_index(np.frombuffer(index_blob, dtype=np.uint8))
     return LoadedShard(index, pq.read_table(io.BytesIO(ids_blob)))
+
+
+#: threads that issue a replica's ranged reads (shared: a query's fetches run side by side)
+RANGE_THREADS = 16
+_range_pool: ThreadPoolExecutor | None = None
+_range_pool_lock = threading.Lock()
+
+
+def range_pool() -> ThreadPoolExecutor:
+    global _range_pool
+    with _range_pool_lock:
+        if _range_pool is None:
+            _range_pool = ThreadPoolExecutor(RANGE_THREADS, thread_name_prefix="range-get")
+        return _range_pool
+
+
+def open_ranged_shard(
+    store: ObjectStore,
+    ref: ShardRef,
+    table_blob: bytes,
+    ids_blob: bytes,
+    codec_blob: bytes,
+    budget: ByteBudget | None = None,
+) -> LoadedShard:
+    """A compressed shard ready to search: its lists are fetched by range when probed."""
+    assert ref.vectors is not None
+    table = ListTable.from_bytes(table_blob)
+    name, trained = load_codec(codec_blob)
+    lists_key, vectors_key = ref.index.key, ref.vectors.key
+    lists = ResidentLists(
+        table,
+        name,
+        trained,
+        lambda ranges: get_ranges(store, lists_key, ranges, range_pool()),
+        lambda ranges: get_ranges(store, vectors_key, ranges, range_pool()),
+        budget,
+        key=ref.index.sha256,
+    )
+    return LoadedShard(None, pq.read_table(io.BytesIO(ids_blob)), lists=lists)
 
 
 class ShardSource(Protocol):
@@ -124,6 +178,10 @@ def bitmap_selector(mask: np.ndarray) -> tuple[Any, np.ndarray]:
     return faiss.IDSelectorBitmap(len(bits), faiss.swig_ptr(bits)), bits
 
 
+#: a compressed index ranks this many × k candidates by their codes, then re-ranks them exactly
+RERANK = 4
+
+
 class IndexReader:
     def __init__(
         self, store: ObjectStore, version: int | None = None, source: ShardSource | None = None, fetch_threads: int = 8
@@ -166,15 +224,28 @@ class IndexReader:
         dist, lists = self.quantizer.search(np.ascontiguousarray(queries, dtype=np.float32), nprobe)
         return dist, lists
 
-    def search(self, queries: np.ndarray, k: int, nprobe: int = 16, allow: Allow | None = None) -> list[list[Hit]]:
+    def search(
+        self,
+        queries: np.ndarray,
+        k: int,
+        nprobe: int = 16,
+        allow: Allow | None = None,
+        rerank: int = RERANK,
+        moved: Fetched | None = None,
+    ) -> list[list[Hit]]:
         """Top-k hits per query across every shard holding a probed list.
 
-        ``allow`` restricts each shard's candidates to a mask of its faiss ids.
+        ``allow`` restricts each shard's candidates to a mask of its faiss ids. A compressed
+        index ranks ``rerank`` × k candidates by their codes, then the best k of them by
+        their exact float vectors (fetched by range); ``moved`` counts the requests and
+        bytes its fetches took.
         """
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         coarse_d, lists = self.probe(queries, nprobe)
         shard_of = np.where(lists >= 0, self.shard_of_list[np.maximum(lists, 0)], -1)
         loaded = self.shards(int(s) for s in np.unique(shard_of) if s >= 0)
+        if self.manifest.codec != "flat":
+            return self._search_ranged(queries, lists, shard_of, loaded, k, allow, rerank, moved)
         n = len(queries)
         found_d, found_i, found_s = [], [], []
         for s, shard in loaded.items():
@@ -220,6 +291,93 @@ class IndexReader:
                         for j in best[q] if ids_all[q, j] >= 0])  # fmt: skip
         return out
 
+    def _search_ranged(
+        self,
+        queries: np.ndarray,
+        lists: np.ndarray,
+        shard_of: np.ndarray,
+        loaded: dict[int, LoadedShard],
+        k: int,
+        allow: Allow | None,
+        rerank: int,
+        moved: Fetched | None,
+    ) -> list[list[Hit]]:
+        """Probed lists fetched by range (every shard's at once), scanned by their codes,
+        the best ``rerank`` × k re-ranked exactly."""
+        n = len(queries)
+        pool = range_pool()
+        wanted = {s: sorted({int(x) for x in lists[shard_of == s]}) for s in loaded}
+        fetching = {s: pool.submit(shard.lists.lists, wanted[s], moved) for s, shard in loaded.items() if shard.lists}
+        resident = {s: f.result() for s, f in fetching.items()}
+        depth = max(k, k * rerank)
+        found_d, found_i, found_s = [], [], []
+        for s, shard in loaded.items():
+            assert shard.lists is not None
+            params = faiss.SearchParametersIVF()
+            mask = allow(s, shard) if allow is not None else None
+            keep: Any = None
+            if mask is not None:
+                if not mask.any():
+                    continue
+                params.sel, keep = bitmap_selector(mask)
+            table = shard.lists.table
+            firsts = {n_: int(table.firsts[n_ - table.list_start]) for n_ in resident[s]}
+            assign = np.where(shard_of == s, lists, -1)
+            dist, rows = search_lists(shard.lists.codec, shard.lists.trained, queries, assign, resident[s], firsts,
+                                      depth, params)  # fmt: skip
+            del keep
+            found_d.append(dist)
+            found_i.append(rows)
+            found_s.append(np.full_like(rows, s))
+        if not found_d:
+            return [[] for _ in range(n)]
+        dist_all = np.concatenate(found_d, axis=1)
+        ids_all = np.concatenate(found_i, axis=1)
+        shard_all = np.concatenate(found_s, axis=1)
+        dist_all = np.where(ids_all >= 0, dist_all, np.inf)
+        best = np.argsort(dist_all, axis=1, kind="stable")[:, :depth]
+        out: list[list[Hit]] = []
+        for q in range(n):
+            scored = [(int(shard_all[q, j]), int(ids_all[q, j]), float(dist_all[q, j]))
+                      for j in best[q] if ids_all[q, j] >= 0]  # fmt: skip
+            if rerank <= 1:
+                out.append([Hit(*c) for c in scored[:k]])
+                continue
+            picked = [(s, i) for s, i, _ in scored]
+            exact = self._exact(queries[q], picked, loaded, resident, moved)
+            order = np.argsort(exact, kind="stable")[:k]
+            out.append([Hit(picked[j][0], picked[j][1], float(exact[j])) for j in order])
+        return out
+
+    def _exact(
+        self,
+        query: np.ndarray,
+        picked: list[tuple[int, int]],
+        loaded: dict[int, LoadedShard],
+        resident: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]],
+        moved: Fetched | None,
+    ) -> np.ndarray:
+        """Squared L2 distances from the query to the candidates' stored float vectors."""
+        by_shard: dict[int, list[int]] = {}
+        for at, (s, _) in enumerate(picked):
+            by_shard.setdefault(s, []).append(at)
+
+        def fetch(s: int) -> tuple[list[int], np.ndarray]:
+            lists = loaded[s].lists
+            assert lists is not None
+            ats = by_shard[s]
+            rows = np.array([picked[a][1] for a in ats], np.int64)
+            return ats, lists.vectors(rows, lists.digests_of(rows, resident[s]), moved)
+
+        out = np.empty(len(picked), np.float32)
+        if len(by_shard) > 1:
+            results = list(range_pool().map(fetch, by_shard))
+        else:
+            results = [fetch(s) for s in by_shard]
+        for ats, vectors in results:
+            out[ats] = np.square(vectors - query[None, :]).sum(axis=1)
+        return out
+
     def rows(self, hits: list[Hit], columns: list[str] | None = None) -> list[dict[str, Any]]:
         """The id-map rows (chunk version and lineage) of hits, in order, with their score."""
         found: dict[tuple[int, int], dict[str, Any]] = {}
@@ -236,7 +394,20 @@ class IndexReader:
         """The stored vectors of hits, in order (no model call needed to compare with them)."""
         if not hits:
             return np.zeros((0, self.manifest.dim), np.float32)
+        if self.manifest.codec != "flat":
+            return self._exact_vectors(hits)
         return np.stack([stored_vector(self.shard(h.shard), h.faiss_id) for h in hits])
+
+    def _exact_vectors(self, hits: list[Hit]) -> np.ndarray:
+        loaded = self.shards({h.shard for h in hits})
+        picked = [(h.shard, h.faiss_id) for h in hits]
+        out = np.empty((len(hits), self.manifest.dim), np.float32)
+        for s, shard in loaded.items():
+            assert shard.lists is not None
+            ats = [i for i, (hs, _) in enumerate(picked) if hs == s]
+            rows = np.array([picked[a][1] for a in ats], np.int64)
+            out[ats] = shard.lists.vectors(rows, shard.lists.digests_of(rows, {}))
+        return out
 
 
 def take_rows(table: pa.Table, indices: list[int], columns: list[str] | None = None) -> list[dict[str, Any]]:

@@ -1,0 +1,378 @@
+"""IVF lists stored for byte-range reads: a replica fetches only the lists a query probes.
+
+A shard built with a compressed codec (``--codec sq8`` or ``sq4``: faiss's scalar
+quantizer, 8 or 4 bits per dimension) is four files::
+
+    shard-S-E.lists        per list, contiguous: its rows' codes (count × code_size bytes),
+                           then each row's 8-byte digest of its float32 vector
+    shard-S-E.vectors      the float32 vectors, row after row, in the same order
+    shard-S-E.table.npz    per list: byte offset of its block in .lists, first row, row count,
+                           sha256 of the block
+    shard-S-E.ids.parquet  row → chunk version and lineage (as for every shard)
+
+Rows are sorted by list, so list ``l`` holds rows ``first[l] .. first[l] + count[l]`` and
+needs no stored ids. A list block is checked against its sha256 when it arrives; a float
+vector fetched by range for re-ranking is checked against its digest, which came inside
+a checked block. Codes encode the vectors themselves (not residuals), so a list can be
+searched without its centroid, and the codec's parameters (per-dimension minimum and
+range) are one small file per build.
+
+Searching copies the probed lists' codes into a throwaway faiss IVF of just those lists
+(``search_lists``): the resident lists stay plain numpy arrays that a byte budget can
+drop at any time (faiss's own inverted lists cannot give memory back through Python).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import faiss
+import numpy as np
+
+#: codec name → faiss scalar quantizer type ("flat": the float IVF of format 1)
+CODECS: dict[str, int] = {
+    "sq8": faiss.ScalarQuantizer.QT_8bit,
+    "sq4": faiss.ScalarQuantizer.QT_4bit,
+}
+#: bytes of the digest kept per row (blake2b of its float32 vector)
+DIGEST_BYTES = 8
+
+
+class ListIntegrityError(Exception):
+    """A fetched list block or vector does not match what the index recorded."""
+
+
+def quantizer(codec: str, trained: np.ndarray) -> Any:
+    """faiss's ScalarQuantizer for a codec, with trained parameters (minimum, range per dimension)."""
+    dim = len(trained) // 2
+    sq = faiss.ScalarQuantizer(dim, CODECS[codec])
+    faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), sq.trained)
+    return sq
+
+
+def train_codec(codec: str, minimum: np.ndarray, maximum: np.ndarray) -> np.ndarray:
+    """The codec's parameters from per-dimension bounds (what faiss's min-max training computes)."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; one of flat, {', '.join(CODECS)}.")
+    sq = faiss.ScalarQuantizer(len(minimum), CODECS[codec])
+    sq.train(np.stack([minimum, maximum]).astype(np.float32))
+    return faiss.vector_to_array(sq.trained).astype(np.float32)
+
+
+def save_codec(codec: str, trained: np.ndarray) -> bytes:
+    sink = io.BytesIO()
+    np.savez(sink, codec=np.array(codec), trained=trained.astype(np.float32))
+    return sink.getvalue()
+
+
+def load_codec(raw: bytes) -> tuple[str, np.ndarray]:
+    """(codec name, parameters) from a build's codec file."""
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        name = str(z["codec"])
+        if name not in CODECS:
+            raise ValueError(f"this reader does not know the codec {name!r}; upgrade streamrag.")
+        return name, z["trained"]
+
+
+def row_digests(vectors: np.ndarray) -> np.ndarray:
+    """(n, DIGEST_BYTES) uint8: blake2b of each float32 row."""
+    rows = np.ascontiguousarray(vectors, dtype=np.float32)
+    out = np.empty((len(rows), DIGEST_BYTES), np.uint8)
+    for i, row in enumerate(rows):
+        out[i] = np.frombuffer(hashlib.blake2b(row.tobytes(), digest_size=DIGEST_BYTES).digest(), np.uint8)
+    return out
+
+
+@dataclass(frozen=True)
+class ListTable:
+    """Where each list of a shard lies: block offset in ``.lists``, first row, rows, sha256."""
+
+    list_start: int
+    offsets: np.ndarray  # int64, one per list of the shard
+    firsts: np.ndarray  # int64
+    counts: np.ndarray  # int64
+    sha256: np.ndarray  # (lists, 32) uint8
+    code_size: int
+
+    def to_bytes(self) -> bytes:
+        sink = io.BytesIO()
+        np.savez(sink, list_start=self.list_start, offsets=self.offsets, firsts=self.firsts, counts=self.counts,
+                 sha256=self.sha256, code_size=self.code_size)  # fmt: skip
+        return sink.getvalue()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> ListTable:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            return cls(int(z["list_start"]), z["offsets"], z["firsts"], z["counts"], z["sha256"], int(z["code_size"]))
+
+    def span(self, list_no: int) -> tuple[int, int]:
+        """(offset, bytes) of a list's block in ``.lists``."""
+        i = list_no - self.list_start
+        return int(self.offsets[i]), int(self.counts[i]) * (self.code_size + DIGEST_BYTES)
+
+    def list_of(self, rows: np.ndarray) -> np.ndarray:
+        """The list number holding each row."""
+        return np.searchsorted(self.firsts, rows, side="right") - 1 + self.list_start
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.offsets.nbytes + self.firsts.nbytes + self.counts.nbytes + self.sha256.nbytes)
+
+
+def encode_lists(
+    vectors: np.ndarray, labels: np.ndarray, start: int, end: int, codec: str, trained: np.ndarray
+) -> tuple[bytes, bytes, ListTable]:
+    """(``.lists`` bytes, ``.vectors`` bytes, table) for rows already sorted by list."""
+    sq = quantizer(codec, trained)
+    codes = sq.compute_codes(np.ascontiguousarray(vectors, np.float32)).reshape(len(vectors), -1)
+    digests = row_digests(vectors)
+    bounds = np.searchsorted(labels, np.arange(start, end + 1))
+    blocks, offsets, sha = [], [], []
+    offset = 0
+    for lo, hi in itertools.pairwise(bounds):
+        block = codes[lo:hi].tobytes() + digests[lo:hi].tobytes()
+        blocks.append(block)
+        offsets.append(offset)
+        sha.append(np.frombuffer(hashlib.sha256(block).digest(), np.uint8))
+        offset += len(block)
+    table = ListTable(
+        start,
+        np.asarray(offsets, np.int64),
+        bounds[:-1].astype(np.int64),
+        np.diff(bounds).astype(np.int64),
+        np.stack(sha) if sha else np.zeros((0, 32), np.uint8),
+        int(sq.code_size),
+    )
+    return b"".join(blocks), np.ascontiguousarray(vectors, np.float32).tobytes(), table
+
+
+# -- the reader's side ---------------------------------------------------------------
+
+
+class ByteBudget:
+    """An LRU of entries with sizes; past ``max_bytes`` the least recently used are dropped
+    (each through its own callback). The newest entry stays even if it alone is larger."""
+
+    def __init__(self, max_bytes: int, on_change: Callable[[int], None] | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+        self._entries: OrderedDict[Hashable, tuple[int, Callable[[], None]]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._on_change = on_change
+        self.evictions = 0
+
+    def admit(self, key: Hashable, nbytes: int, evict: Callable[[], None]) -> None:
+        dropped: list[Callable[[], None]] = []
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return
+            self._entries[key] = (nbytes, evict)
+            self.held += nbytes
+            while self.held > self.max_bytes and len(self._entries) > 1:
+                _, (size, drop) = self._entries.popitem(last=False)
+                self.held -= size
+                self.evictions += 1
+                dropped.append(drop)
+            held = self.held
+        for drop in dropped:  # outside the lock: a callback may forget other entries
+            drop()
+        if self._on_change is not None:
+            self._on_change(held)
+
+    def touch(self, key: Hashable) -> None:
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+
+    def forget(self, key: Hashable) -> None:
+        with self._lock:
+            found = self._entries.pop(key, None)
+            if found is not None:
+                self.held -= found[0]
+            held = self.held
+        if found is not None and self._on_change is not None:
+            self._on_change(held)
+
+
+@dataclass
+class Fetched:
+    """What one call moved from the store: requests and bytes (list blocks and vectors)."""
+
+    requests: int = 0
+    bytes: int = 0
+
+    def add(self, requests: int, nbytes: int) -> None:
+        self.requests += requests
+        self.bytes += nbytes
+
+
+class ResidentLists:
+    """The lists of one shard that are in memory, fetched by range on demand.
+
+    ``fetch_blocks(ranges)`` and ``fetch_vectors(ranges)`` read byte ranges of the shard's
+    ``.lists`` and ``.vectors`` files (the reader binds them to its store and pool).
+    """
+
+    def __init__(
+        self,
+        table: ListTable,
+        codec: str,
+        trained: np.ndarray,
+        fetch_blocks: Callable[[list[tuple[int, int]]], tuple[list[bytes], int, int]],
+        fetch_vectors: Callable[[list[tuple[int, int]]], tuple[list[bytes], int, int]],
+        budget: ByteBudget | None = None,
+        key: Hashable = None,
+    ) -> None:
+        self.table = table
+        self.codec = codec
+        self.trained = trained
+        self.dim = len(trained) // 2
+        self._fetch_blocks = fetch_blocks
+        self._fetch_vectors = fetch_vectors
+        self._budget = budget
+        self._key = key
+        self._lists: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # list → (codes, digests)
+        self._lock = threading.Lock()
+        self.fetched = Fetched()  # since the shard was opened
+
+    @property
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(c.nbytes + d.nbytes for c, d in self._lists.values())
+
+    def resident(self, list_no: int) -> bool:
+        with self._lock:
+            return list_no in self._lists
+
+    def lists(self, wanted: list[int], moved: Fetched | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """(codes, digests) of each wanted list: resident ones at once, the others fetched
+        (one ranged read per run of neighbouring lists) and checked against the table."""
+        found: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        with self._lock:
+            for list_no in wanted:
+                if list_no in self._lists:
+                    found[list_no] = self._lists[list_no]
+        for list_no in found:
+            if self._budget is not None:
+                self._budget.touch((self._key, list_no))
+        missing = [
+            n for n in dict.fromkeys(wanted) if n not in found and self.table.counts[n - self.table.list_start] > 0
+        ]
+        if not missing:
+            return found
+        blobs, requests, nbytes = self._fetch_blocks([self.table.span(n) for n in missing])
+        self.fetched.add(requests, nbytes)
+        if moved is not None:
+            moved.add(requests, nbytes)
+        cs = self.table.code_size
+        for list_no, blob in zip(missing, blobs, strict=True):
+            i = list_no - self.table.list_start
+            if (
+                len(blob) != self.table.span(list_no)[1]
+                or hashlib.sha256(blob).digest() != self.table.sha256[i].tobytes()
+            ):
+                raise ListIntegrityError(f"list {list_no} does not match its sha256 in the index; refusing to use it.")
+            n = int(self.table.counts[i])
+            raw = np.frombuffer(blob, np.uint8)
+            codes, digests = raw[: n * cs].reshape(n, cs), raw[n * cs :].reshape(n, DIGEST_BYTES)
+            found[list_no] = (codes, digests)
+            with self._lock:
+                self._lists.setdefault(list_no, (codes, digests))
+            if self._budget is not None:
+                self._budget.admit((self._key, list_no), len(blob), partial(self.drop, list_no))
+        return found
+
+    def drop(self, list_no: int) -> None:
+        with self._lock:
+            self._lists.pop(list_no, None)
+
+    def drop_all(self) -> None:
+        """Forget every resident list (the shard itself left the cache)."""
+        with self._lock:
+            numbers = list(self._lists)
+            self._lists.clear()
+        if self._budget is not None:
+            for list_no in numbers:
+                self._budget.forget((self._key, list_no))
+
+    def vectors(self, rows: np.ndarray, digests: np.ndarray, moved: Fetched | None = None) -> np.ndarray:
+        """The float32 vectors of rows, fetched by range, each checked against its digest."""
+        width = self.dim * 4
+        blobs, requests, nbytes = self._fetch_vectors([(int(r) * width, width) for r in rows])
+        self.fetched.add(requests, nbytes)
+        if moved is not None:
+            moved.add(requests, nbytes)
+        out = np.empty((len(rows), self.dim), np.float32)
+        for i, (blob, digest) in enumerate(zip(blobs, digests, strict=True)):
+            if len(blob) != width or hashlib.blake2b(blob, digest_size=DIGEST_BYTES).digest() != digest.tobytes():
+                raise ListIntegrityError(f"vector of row {int(rows[i])} does not match its digest; refusing to use it.")
+            out[i] = np.frombuffer(blob, np.float32)
+        return out
+
+    def digests_of(self, rows: np.ndarray, lists: dict[int, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """The digests of rows whose lists are in ``lists`` (fetched meanwhile if not)."""
+        list_nos = self.table.list_of(rows)
+        need = [int(n) for n in np.unique(list_nos) if int(n) not in lists]
+        if need:
+            lists = {**lists, **self.lists(need)}
+        firsts = self.table.firsts[list_nos - self.table.list_start]
+        return np.stack([lists[int(n)][1][int(r - f)] for n, r, f in zip(list_nos, rows, firsts, strict=True)])
+
+
+_DUMMY_QUANTIZERS: dict[int, Any] = {}
+
+
+def search_lists(
+    codec: str,
+    trained: np.ndarray,
+    queries: np.ndarray,
+    assign: np.ndarray,
+    lists: dict[int, tuple[np.ndarray, np.ndarray]],
+    firsts: dict[int, int],
+    k: int,
+    params: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """faiss's scan over the given lists only: (distances, rows) of the k best per query.
+
+    ``assign`` holds each query's list numbers (-1 pads); ``params`` carries the selector.
+    """
+    n = len(queries)
+    dim = queries.shape[1]
+    numbers = np.asarray(sorted(lists), np.int64)
+    if len(numbers):
+        at = np.minimum(np.searchsorted(numbers, assign), len(numbers) - 1)
+        local = np.where((assign >= 0) & (numbers[at] == assign), at, -1)
+    else:
+        local = np.full_like(assign, -1)
+    quant = _DUMMY_QUANTIZERS.setdefault(dim, faiss.IndexFlatL2(dim))
+    index: Any = faiss.IndexIVFScalarQuantizer(quant, dim, max(1, len(numbers)), CODECS[codec], faiss.METRIC_L2, False)
+    faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), index.sq.trained)
+    index.is_trained = True
+    invlists: Any = index.invlists
+    total = 0
+    for slot, list_no in enumerate(numbers.tolist()):
+        codes = np.ascontiguousarray(lists[list_no][0])
+        ids = np.arange(firsts[list_no], firsts[list_no] + len(codes), dtype=np.int64)
+        invlists.add_entries(slot, len(codes), faiss.swig_ptr(ids), faiss.swig_ptr(codes))
+        total += len(codes)
+    index.ntotal = total
+    local = np.ascontiguousarray(local, np.int64)
+    coarse = np.zeros(local.shape, np.float32)  # codes are not residuals: the coarse distance is not used
+    params.nprobe = max(1, local.shape[1])
+    dist = np.empty((n, k), np.float32)
+    rows = np.empty((n, k), np.int64)
+    queries = np.ascontiguousarray(queries, np.float32)
+    index.search_preassigned_c(
+        n, faiss.swig_ptr(queries), k, faiss.swig_ptr(local), faiss.swig_ptr(coarse),
+        faiss.swig_ptr(dist), faiss.swig_ptr(rows), False, params,
+    )  # fmt: skip
+    return dist, rows

@@ -1,0 +1,177 @@
+"""Compressed, list-granular shards: fetched by range, checked, re-ranked, budgeted."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+
+from indexing.ivf import BuildOptions, build_index
+from indexing.lists import ByteBudget, Fetched, ListIntegrityError
+from indexing.manifest import ManifestError, ShardRef, load_manifest, publish
+from indexing.reader import IndexReader, LoadedShard, load_shard
+from indexing.snapshot import plan
+from indexing.store import LocalStore, ObjectStore
+from pipelines.storage import ObjectStoreSettings
+from tests.indexing.lakes import synthetic_lake
+
+OPTS = BuildOptions(nlist=64, iterations=15, shard_bytes=200_000, progress=False)
+
+
+class CountingStore(LocalStore):
+    """Counts whole-file and ranged reads of each kind of file."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.whole: list[str] = []
+        self.ranged: list[tuple[str, int, int]] = []
+        self.lock = threading.Lock()
+
+    def get(self, key: str) -> bytes:
+        with self.lock:
+            self.whole.append(key)
+        return super().get(key)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        with self.lock:
+            self.ranged.append((key, start, length))
+        return super().get_range(key, start, length)
+
+
+@pytest.fixture(scope="module")
+def indexes(tmp_path_factory: pytest.TempPathFactory, ray_local: None) -> tuple[Path, Path, np.ndarray]:
+    tmp = tmp_path_factory.mktemp("ranged")
+    lake, x = synthetic_lake(str(tmp / "lake"), n=6000, dim=32)
+    for name, codec in (("flat", "flat"), ("sq8", "sq8")):
+        store = LocalStore(str(tmp / name))
+        publish(
+            store, build_index(plan(lake), store.root, ObjectStoreSettings(), dataclasses.replace(OPTS, codec=codec))
+        )
+    return tmp / "flat", tmp / "sq8", x
+
+
+def truth(x: np.ndarray, queries: np.ndarray, k: int = 10) -> np.ndarray:
+    exact = faiss.IndexFlatL2(x.shape[1])
+    exact.add(x)
+    return exact.search(queries, k)[1]
+
+
+def found_ids(reader: IndexReader, hits) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [[int(r["chunk_id"][1:]) for r in reader.rows(row)] for row in hits]
+
+
+def test_manifest_records_the_codec_and_old_readers_refuse_it_cleanly(indexes) -> None:  # type: ignore[no-untyped-def]
+    flat, sq8, _ = indexes
+    m = load_manifest(LocalStore(str(sq8)))
+    assert m.codec == "sq8" and m.format_version == 2
+    assert all(s.ranged and s.table and s.vectors and s.codec for s in m.shards)
+    assert load_manifest(LocalStore(str(flat))).format_version == 1  # float indexes stay readable by older readers
+    raw = (sq8 / "versions" / "00000001.json").read_bytes().replace(b'"format_version": 2', b'"format_version": 9')
+    with pytest.raises(ManifestError, match="upgrade streamrag"):
+        type(m).from_json(raw)
+
+
+def test_recall_with_exact_rerank_matches_the_float_index(indexes) -> None:  # type: ignore[no-untyped-def]
+    flat, sq8, x = indexes
+    rng = np.random.default_rng(3)
+    queries = (x[rng.choice(len(x), 100, replace=False)] + rng.normal(0, 0.05, (100, x.shape[1]))).astype(np.float32)
+    want = truth(x, queries)
+    recall = {}
+    for name, path in (("flat", flat), ("sq8", sq8)):
+        reader = IndexReader(LocalStore(str(path)))
+        got = found_ids(reader, reader.search(queries, 10, nprobe=8))
+        recall[name] = np.mean([len(set(g) & set(w.tolist())) / 10 for g, w in zip(got, want, strict=True)])
+    assert recall["sq8"] >= recall["flat"] - 0.01, recall
+    reader = IndexReader(LocalStore(str(sq8)))
+    hits = reader.search(queries[:5], 10, nprobe=8)
+    exact_d = [h.distance for h in hits[0]]
+    assert exact_d == sorted(exact_d)  # re-ranked distances are exact float distances, in order
+    v = reader.vectors(hits[0][:3])
+    assert np.allclose(np.square(v - queries[0]).sum(axis=1), exact_d[:3], atol=1e-4)
+
+
+def test_a_query_fetches_only_the_lists_it_probes(indexes) -> None:  # type: ignore[no-untyped-def]
+    _, sq8, x = indexes
+    store = CountingStore(str(sq8))
+    reader = IndexReader(store)
+    moved = Fetched()
+    query = x[:1] + 0.01
+    reader.search(query, 10, nprobe=4, moved=moved)
+    assert not any(k.endswith((".lists", ".vectors")) for k in store.whole), "no whole list or vector file"
+    _, probed = reader.probe(query, 4)
+    list_bytes = 0
+    for list_no in probed[0]:
+        shard = reader.shard(int(reader.shard_of_list[list_no]))
+        assert shard.lists is not None
+        list_bytes += shard.lists.table.span(int(list_no))[1]
+    fetched = sum(n for k, _, n in store.ranged if k.endswith(".lists"))
+    assert list_bytes <= fetched <= 1.5 * list_bytes + 64 * 1024
+    vector_reads = [n for k, _, n in store.ranged if k.endswith(".vectors")]
+    assert sum(vector_reads) <= 40 * 32 * 4 + 64 * 1024 and moved.bytes == sum(n for _, _, n in store.ranged)
+    before = len(store.ranged)
+    reader.search(query, 10, nprobe=4)
+    assert all(k.endswith(".vectors") for k, _, _ in store.ranged[before:]), "probed lists are resident now"
+
+
+def test_a_corrupted_list_or_vector_is_refused(indexes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    _, sq8, x = indexes
+    copy = tmp_path / "copy"
+    shutil.copytree(sq8, copy)
+    m = load_manifest(LocalStore(str(copy)))
+    reader = IndexReader(LocalStore(str(copy)))
+    _, probed = reader.probe(x[:1], 1)
+    list_no = int(probed[0][0])
+    ref = m.shards[int(reader.shard_of_list[list_no])]
+    shard = load_shard(LocalStore(str(copy)), ref)
+    assert shard.lists is not None
+    offset, length = shard.lists.table.span(list_no)
+    path = copy / ref.index.key
+    data = bytearray(path.read_bytes())
+    data[offset + length // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ListIntegrityError, match="sha256"):
+        reader.search(x[:1], 10, nprobe=1)
+    # Vectors: flip a bit in every row of the best hit's shard; its re-rank refuses them.
+    copy2 = tmp_path / "copy2"
+    shutil.copytree(sq8, copy2)
+    best = IndexReader(LocalStore(str(sq8))).search(x[:1], 10, nprobe=4)[0][0]
+    vectors_key = m.shards[best.shard].vectors.key  # type: ignore[union-attr]
+    flipped = np.frombuffer((sq8 / vectors_key).read_bytes(), np.uint8).copy()
+    flipped[::128] ^= 0x01
+    (copy2 / vectors_key).write_bytes(flipped.tobytes())
+    with pytest.raises(ListIntegrityError, match="digest"):
+        IndexReader(LocalStore(str(copy2))).search(x[:1], 10, nprobe=4)
+
+
+def test_a_tenth_of_the_index_in_memory_answers_exactly_as_all_of_it(indexes) -> None:  # type: ignore[no-untyped-def]
+    _, sq8, x = indexes
+    rng = np.random.default_rng(5)
+    queries = x[rng.choice(len(x), 60, replace=False)] + 0.01
+    everything = IndexReader(LocalStore(str(sq8)))
+    m = everything.manifest
+    total = sum(s.index.bytes for s in m.shards)
+    budget = ByteBudget(total // 10)
+
+    class Budgeted:
+        def __init__(self) -> None:
+            self.shards: dict[str, LoadedShard] = {}
+
+        def cached(self, ref: ShardRef) -> LoadedShard | None:
+            return self.shards.get(ref.index.sha256)
+
+        def load(self, store: ObjectStore, ref: ShardRef) -> LoadedShard:
+            return self.shards.setdefault(ref.index.sha256, load_shard(store, ref, budget))
+
+    tenth = IndexReader(LocalStore(str(sq8)), source=Budgeted())
+    for q in queries:
+        want = [(h.shard, h.faiss_id) for h in everything.search(q[None], 10, nprobe=16)[0]]
+        got = [(h.shard, h.faiss_id) for h in tenth.search(q[None], 10, nprobe=16)[0]]
+        assert got == want
+        assert budget.held <= total // 10 + max(s.index.bytes for s in m.shards)
+    assert budget.evictions > 0, "the budget must have been exceeded and lists dropped"
