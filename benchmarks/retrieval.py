@@ -680,7 +680,7 @@ def bench_tail(sizes: list[int], queries: int = 200) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["search", "cold", "http", "freshness", "tail"], action="append")
+    parser.add_argument("--only", choices=["search", "cold", "http", "freshness", "tail", "codecs"], action="append")
     parser.add_argument("--n", type=int, default=200_000, help="synthetic vectors for search and cold")
     parser.add_argument("--queries", type=int, default=500)
     parser.add_argument("--seconds", type=float, default=30.0, help="HTTP load duration per client count")
@@ -688,11 +688,12 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2.0, help="updates/s in the freshness section")
     parser.add_argument("--fresh-store", choices=["local", "s3"], action="append", help="lake for freshness (local)")
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="codecs: added to every S3 request (20)")
     parser.add_argument("--cpu-threads", type=int, help="freshness: --cpu-threads of ingest, serve and the peer")
     parser.add_argument("--pathway-python", type=Path, default=ROOT / ".venv-pathway" / "bin" / "python",
                         help="Pathway's environment (made by make bench): the freshness peer")  # fmt: skip
     args = parser.parse_args()
-    sections = set(args.only or ["search", "cold", "http", "freshness", "tail"])
+    sections = set(args.only or ["search", "cold", "http", "freshness", "tail", "codecs"])
     TAGS["corpus"] = "synthetic"
     work = Path(tempfile.mkdtemp(prefix="srbench-", dir="/tmp"))
     try:
@@ -712,6 +713,11 @@ def main() -> None:
             bench_http(work, args.seconds)
         if "tail" in sections:
             bench_tail([5_000, 10_000, 20_000, 39_500])
+        if "codecs" in sections:
+            from benchmarks.decoupled import bench_codecs
+
+            start_ray(work_dir=work / "ray3")
+            bench_codecs(work / "codecs", ["flat", "sq8", "sq4"], args.delay_ms, 300)
         if "freshness" in sections:
             for store in args.fresh_store or ["local"]:
                 bench_freshness(work, args.updates, args.rate, store,

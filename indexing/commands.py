@@ -42,6 +42,13 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--seed", type=int, help="(1234)")
     p.add_argument("--shard-mb", type=float, help="target shard size in MB (64)")
     p.add_argument(
+        "--codec",
+        choices=["flat", "sq8", "sq4"],
+        help="flat (default): float32 IVF shards, fetched whole; sq8/sq4: 8- or 4-bit scalar-quantized "
+        "lists that replicas fetch by byte range and cache list by list, re-ranked exactly with "
+        "float vectors fetched by range",
+    )
+    p.add_argument(
         "--reuse-centroids",
         action="store_true",
         default=None,
@@ -187,6 +194,7 @@ def _build(config: IndexBuildSettings) -> dict[str, Any]:
         shard_bytes=int(config.shard_mb * (1 << 20)),
         reuse_centroids=config.reuse_centroids,
         drift_threshold=config.drift_threshold,
+        codec=config.codec,
     )
     with tempfile.TemporaryDirectory(prefix="srray-", dir=_short_temp_dir()) as tmp:
         start_ray(config.ray_address, Path(tmp))
@@ -200,6 +208,7 @@ def _build(config: IndexBuildSettings) -> dict[str, Any]:
     deleted = collect_garbage(store, config.keep, config.gc_grace) if config.keep else []
     summary = {
         "version": version, "lake_version": snap.version, "count": manifest.count, "nlist": manifest.nlist,
+        "codec": manifest.codec,
         "shards": len(manifest.shards), "model": manifest.model, "deleted_versions": deleted,
         "stats": manifest.stats,
     }  # fmt: skip

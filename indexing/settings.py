@@ -19,6 +19,7 @@ class IndexBuildSettings(BaseSettings):
     iterations: int = Field(20, ge=1, description="k-means iterations at most")
     seed: int = 1234
     shard_mb: float = Field(64.0, gt=0, description="target shard size in MB")
+    codec: str = Field("flat", pattern=r"^(flat|sq8|sq4)$", description="how vectors are stored in the shards")
     reuse_centroids: bool = Field(False, description="assign to the last build's centroids unless they drifted")
     drift_threshold: float = Field(0.10, ge=0, description="retrain above this quantization-error growth")
     keep: int | None = Field(None, ge=1, description="keep only the newest N versions (after gc_grace)")

@@ -3,6 +3,10 @@
 Files are named by their sha256 (from the manifest), so a file is verified once when it
 arrives and is never stale: a new index version has new files. Loads of the same shard
 by concurrent requests share one fetch.
+
+A compressed (ranged) shard is opened from its small files (list table, id map, codec);
+its lists arrive by range as queries probe them and share the one memory budget with the
+shards: ``memory_bytes`` bounds both, least recently used first.
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ import logging
 import os
 import tempfile
 import threading
-from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 
+from indexing.lists import ByteBudget
 from indexing.manifest import FileRef, ShardRef, get_verified, sha256
-from indexing.reader import LoadedShard, decode_shard
+from indexing.reader import LoadedShard, decode_shard, open_ranged_shard
 from indexing.store import ObjectStore
 from retrieval import metrics
 
@@ -32,8 +37,8 @@ class ShardCache:
         self.directory = directory
         self.memory_bytes = memory_bytes
         self.disk_bytes = disk_bytes
-        self._memory: OrderedDict[str, LoadedShard] = OrderedDict()
-        self._held = 0
+        self._memory: dict[str, LoadedShard] = {}
+        self.budget = ByteBudget(memory_bytes, on_change=metrics.CACHE_MEMORY_BYTES.set)
         self._lock = threading.Lock()
         self._inflight: dict[str, threading.Lock] = {}
         if directory is not None:
@@ -54,13 +59,18 @@ class ShardCache:
             if found is not None:
                 return found
             try:
-                index_blob, from_disk = self._file(store, ref.index)
-                ids_blob, ids_from_disk = self._file(store, ref.ids)
-                shard = decode_shard(index_blob, ids_blob)
+                if ref.ranged:  # its lists come by range later; these files are small
+                    assert ref.table is not None and ref.codec is not None
+                    got = [self._file(store, f) for f in (ref.table, ref.ids, ref.codec)]
+                    (table, _), (ids, _), (codec, _) = got
+                    shard = open_ranged_shard(store, ref, table, ids, codec, self.budget)
+                else:
+                    got = [self._file(store, f) for f in (ref.index, ref.ids)]
+                    shard = decode_shard(got[0][0], got[1][0])
             finally:
                 with self._lock:
                     self._inflight.pop(key, None)
-            metrics.CACHE_REQUESTS.labels("disk" if from_disk and ids_from_disk else "fetch").inc()
+            metrics.CACHE_REQUESTS.labels("disk" if all(from_disk for _, from_disk in got) else "fetch").inc()
             self._remember(key, shard)
             return shard
 
@@ -73,16 +83,16 @@ class ShardCache:
 
     @property
     def memory_held(self) -> int:
-        return self._held
+        """Bytes of shards and lists in memory."""
+        return self.budget.held
 
     # -- tiers --------------------------------------------------------------------------
 
     def _from_memory(self, key: str) -> LoadedShard | None:
         with self._lock:
             found = self._memory.get(key)
-            if found is not None:
-                self._memory.move_to_end(key)
         if found is not None:
+            self.budget.touch(key)
             metrics.CACHE_REQUESTS.labels("memory").inc()
         return found
 
@@ -91,12 +101,15 @@ class ShardCache:
             if key in self._memory:
                 return
             self._memory[key] = shard
-            self._held += shard.nbytes
-            while self._held > self.memory_bytes and len(self._memory) > 1:
-                _, dropped = self._memory.popitem(last=False)
-                self._held -= dropped.nbytes
-                metrics.CACHE_EVICTIONS.labels("memory").inc()
-            metrics.CACHE_MEMORY_BYTES.set(self._held)
+        self.budget.admit(key, shard.nbytes, partial(self._drop, key))
+
+    def _drop(self, key: str) -> None:
+        """The budget evicted a shard: forget it, and its resident lists with it."""
+        with self._lock:
+            shard = self._memory.pop(key, None)
+        metrics.CACHE_EVICTIONS.labels("memory").inc()
+        if shard is not None and shard.lists is not None:
+            shard.lists.drop_all()
 
     def _file(self, store: ObjectStore, ref: FileRef) -> tuple[bytes, bool]:
         """The verified bytes of a file, and whether they came from the disk cache."""

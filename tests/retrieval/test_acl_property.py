@@ -37,8 +37,9 @@ def random_acl(rng: random.Random) -> tuple[str, ...]:
     return tuple(sorted(rng.sample(GROUPS, rng.randint(1, 2))))
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory, ray_local: None):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module", params=["flat", "sq8"])
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, ray_local: None):  # type: ignore[no-untyped-def]
+    """The same world indexed as float IVF and as range-read, scalar-quantized lists."""
     tmp = tmp_path_factory.mktemp("acl")
     rng = random.Random(5)
     embedder = FakeEmbedder(dim=32)
@@ -46,7 +47,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, ray_local: None):  # type: i
     docs = [Doc(pk, " ".join(f"w{rng.randrange(60)}" for _ in range(6)), random_acl(rng)) for pk in range(500)]
     lake.write(docs)
     store = LocalStore(str(tmp / "index"))
-    opts = BuildOptions(nlist=20, iterations=5, shard_bytes=10_000, progress=False)
+    opts = BuildOptions(nlist=20, iterations=5, shard_bytes=10_000, progress=False, codec=request.param)
     publish(store, build_index(plan(lake.lake), store.root, ObjectStoreSettings(), opts))
     # After the index: re-permissioned documents, deletes and new documents, in the tail.
     lake.write([Doc(d.pk, d.text, random_acl(rng)) for d in docs[:40]])
@@ -90,8 +91,8 @@ def test_no_leak_and_no_visible_match_lost(world, groups: frozenset[str], words:
     assert np.allclose(scores, oracle, atol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def history(tmp_path_factory: pytest.TempPathFactory, ray_local: None):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module", params=["flat", "sq8"])
+def history(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, ray_local: None):  # type: ignore[no-untyped-def]
     """A lake whose index covers the first commit; later commits happen during the test."""
     tmp = tmp_path_factory.mktemp("acl-history")
     rng = random.Random(11)
@@ -100,7 +101,7 @@ def history(tmp_path_factory: pytest.TempPathFactory, ray_local: None):  # type:
     docs = {pk: Doc(pk, " ".join(f"w{rng.randrange(40)}" for _ in range(5)), random_acl(rng)) for pk in range(200)}
     indexed_at = lake.write(list(docs.values()))
     store = LocalStore(str(tmp / "index"))
-    opts = BuildOptions(nlist=10, iterations=5, shard_bytes=6_000, progress=False)
+    opts = BuildOptions(nlist=10, iterations=5, shard_bytes=6_000, progress=False, codec=request.param)
     publish(store, build_index(plan(lake.lake), store.root, ObjectStoreSettings(), opts))
     return lake, store, embedder, docs, indexed_at
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -34,19 +35,22 @@ def corpus(n: int = 300, seed: int = 0) -> list[Doc]:
     return [Doc(pk, f"doc {pk} {words(rng)}", ("hr",) if pk % 10 == 0 else ()) for pk in range(n)]
 
 
-def build(lake: DocLake, index: Path) -> int:
+def build(lake: DocLake, index: Path, codec: str = "flat") -> int:
     store = LocalStore(str(index))
-    return publish(store, build_index(plan(lake.lake), store.root, ObjectStoreSettings(), OPTS))
+    opts = dataclasses.replace(OPTS, codec=codec)
+    return publish(store, build_index(plan(lake.lake), store.root, ObjectStoreSettings(), opts))
 
 
-@pytest.fixture
-def setup(tmp_path: Path, ray_local: None):  # type: ignore[no-untyped-def]
+@pytest.fixture(params=["flat", "sq8"])
+def setup(request: pytest.FixtureRequest, tmp_path: Path, ray_local: None):  # type: ignore[no-untyped-def]
+    """An engine over a float index, and over range-read lists (later builds in a test are float:
+    a swap between the two layouts is covered too)."""
     embedder = FakeEmbedder(dim=32)
     lake = DocLake(str(tmp_path / "lake"), embedder)
     docs = corpus()
     lake.write(docs[:150])
     lake.write(docs[150:])
-    build(lake, tmp_path / "index")
+    build(lake, tmp_path / "index", request.param)
     engine = SearchEngine(
         lake.lake, LocalStore(str(tmp_path / "index")), embedder, ShardCache(tmp_path / "cache", memory_bytes=20_000),
         EngineOptions(nprobe=4),
