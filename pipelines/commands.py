@@ -50,8 +50,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument(
         "--cpu-threads",
         type=int,
-        help="threads the model uses on CPU (default: all cores); 1 on a machine shared with `serve` "
-        "(measured on 2 cores: update visible p95 596 -> 285-307 ms)",
+        help="threads the model uses on CPU (default: one for a small batch such as a lone change, "
+        "every core for a backlog)",
     )
     p.add_argument("--writers", type=int, help="lake writers (fixed when the lake is created; default 2)")
     p.add_argument("--job-name", help="names this job's lake writers (default 'ingest')")

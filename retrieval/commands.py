@@ -28,7 +28,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", metavar="URI", help="the index store (required)")
     p.add_argument("--model", help="query embedder: the index's model directory (default: bundled all-MiniLM-L6-v2)")
     p.add_argument("--device", help="auto (default), cpu or cuda")
-    p.add_argument("--cpu-threads", type=int, help="threads per query embedding on CPU (default: all cores)")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        help="threads per query embedding on CPU (default: one for a few queries, every core for a large batch)",
+    )
     p.add_argument("--nprobe", type=int, help="IVF lists probed per query (default 16%% of the lists, 32 to 128)")
     p.add_argument("--cache-dir", type=Path, help="disk cache for shards (default ~/.cache/streamrag/shards)")
     p.add_argument("--cache-memory-mb", type=int, help="shards held in memory (2048 MB)")
