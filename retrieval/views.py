@@ -152,7 +152,10 @@ class Views:
                 newest, reader.manifest.lake_version, self._tail.state.base_version,
             )  # fmt: skip
             return False
-        total = sum(s.index.bytes + s.ids.bytes for s in reader.manifest.shards)
+        # What opening every shard fetches (a ranged shard's lists come later, by range).
+        total = sum(
+            f.bytes for s in reader.manifest.shards for f in ([s.table, s.ids] if s.table else [s.index, s.ids])
+        )
         if self.options.prefetch and total <= self.options.prefetch_bytes:
             reader.shards(range(len(reader.manifest.shards)))  # warm before the first query needs it
         self._reader = reader  # queries that already hold the old pair finish on it
