@@ -353,6 +353,8 @@ def search_lists(
         local = np.where((assign >= 0) & (numbers[at] == assign), at, -1)
     else:
         local = np.full_like(assign, -1)
+    # faiss stops a query's scan at its first -1: the probed lists go first, the pads last.
+    local = np.take_along_axis(local, np.argsort(local < 0, axis=1, kind="stable"), axis=1)
     quant = _DUMMY_QUANTIZERS.setdefault(dim, faiss.IndexFlatL2(dim))
     index: Any = faiss.IndexIVFScalarQuantizer(quant, dim, max(1, len(numbers)), CODECS[codec], faiss.METRIC_L2, False)
     faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), index.sq.trained)
