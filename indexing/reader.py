@@ -278,18 +278,7 @@ class IndexReader:
             found_d.append(dist)
             found_i.append(ids)
             found_s.append(np.full_like(ids, s))
-        if not found_d:
-            return [[] for _ in range(n)]
-        dist_all = np.concatenate(found_d, axis=1)
-        ids_all = np.concatenate(found_i, axis=1)
-        shard_all = np.concatenate(found_s, axis=1)
-        dist_all = np.where(ids_all >= 0, dist_all, np.inf)
-        best = np.argsort(dist_all, axis=1, kind="stable")[:, :k]
-        out: list[list[Hit]] = []
-        for q in range(n):
-            out.append([Hit(int(shard_all[q, j]), int(ids_all[q, j]), float(dist_all[q, j]))
-                        for j in best[q] if ids_all[q, j] >= 0])  # fmt: skip
-        return out
+        return [[Hit(*c) for c in row] for row in _merge(n, found_d, found_i, found_s, k)]
 
     def _search_ranged(
         self,
@@ -329,17 +318,8 @@ class IndexReader:
             found_d.append(dist)
             found_i.append(rows)
             found_s.append(np.full_like(rows, s))
-        if not found_d:
-            return [[] for _ in range(n)]
-        dist_all = np.concatenate(found_d, axis=1)
-        ids_all = np.concatenate(found_i, axis=1)
-        shard_all = np.concatenate(found_s, axis=1)
-        dist_all = np.where(ids_all >= 0, dist_all, np.inf)
-        best = np.argsort(dist_all, axis=1, kind="stable")[:, :depth]
         out: list[list[Hit]] = []
-        for q in range(n):
-            scored = [(int(shard_all[q, j]), int(ids_all[q, j]), float(dist_all[q, j]))
-                      for j in best[q] if ids_all[q, j] >= 0]  # fmt: skip
+        for q, scored in enumerate(_merge(n, found_d, found_i, found_s, depth)):
             if rerank <= 1:
                 out.append([Hit(*c) for c in scored[:k]])
                 continue
@@ -408,6 +388,21 @@ class IndexReader:
             rows = np.array([picked[a][1] for a in ats], np.int64)
             out[ats] = shard.lists.vectors(rows, shard.lists.digests_of(rows, {}))
         return out
+
+
+def _merge(
+    n: int, found_d: list[np.ndarray], found_i: list[np.ndarray], found_s: list[np.ndarray], k: int
+) -> list[list[tuple[int, int, float]]]:
+    """Each query's best k (shard, id, distance) over every shard's results (-1 ids are pads)."""
+    if not found_d:
+        return [[] for _ in range(n)]
+    dist_all = np.concatenate(found_d, axis=1)
+    ids_all = np.concatenate(found_i, axis=1)
+    shard_all = np.concatenate(found_s, axis=1)
+    dist_all = np.where(ids_all >= 0, dist_all, np.inf)
+    best = np.argsort(dist_all, axis=1, kind="stable")[:, :k]
+    return [[(int(shard_all[q, j]), int(ids_all[q, j]), float(dist_all[q, j])) for j in best[q] if ids_all[q, j] >= 0]
+            for q in range(n)]  # fmt: skip
 
 
 def take_rows(table: pa.Table, indices: list[int], columns: list[str] | None = None) -> list[dict[str, Any]]:
