@@ -85,16 +85,27 @@ def decode_shard(index_blob: bytes, ids_blob: bytes) -> LoadedShard:
 
 #: threads that issue a replica's ranged reads (shared: a query's fetches run side by side)
 RANGE_THREADS = 16
-_range_pool: ThreadPoolExecutor | None = None
-_range_pool_lock = threading.Lock()
+#: threads that run one shard's part of a query (each waits on ranged reads, never issues them itself)
+SHARD_THREADS = 16
+_pools: dict[str, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(name: str, threads: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        if name not in _pools:
+            _pools[name] = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        return _pools[name]
 
 
 def range_pool() -> ThreadPoolExecutor:
-    global _range_pool
-    with _range_pool_lock:
-        if _range_pool is None:
-            _range_pool = ThreadPoolExecutor(RANGE_THREADS, thread_name_prefix="range-get")
-        return _range_pool
+    """Leaf requests only: a task here never waits on another task of this pool."""
+    return _pool("range-get", RANGE_THREADS)
+
+
+def shard_pool() -> ThreadPoolExecutor:
+    """Per-shard work that waits on ``range_pool`` (two pools, so that waiting cannot deadlock)."""
+    return _pool("shard-work", SHARD_THREADS)
 
 
 def open_ranged_shard(
@@ -294,7 +305,7 @@ class IndexReader:
         """Probed lists fetched by range (every shard's at once), scanned by their codes,
         the best ``rerank`` × k re-ranked exactly."""
         n = len(queries)
-        pool = range_pool()
+        pool = shard_pool()
         wanted = {s: sorted({int(x) for x in lists[shard_of == s]}) for s in loaded}
         fetching = {s: pool.submit(shard.lists.lists, wanted[s], moved) for s, shard in loaded.items() if shard.lists}
         resident = {s: f.result() for s, f in fetching.items()}
@@ -351,7 +362,7 @@ class IndexReader:
 
         out = np.empty(len(picked), np.float32)
         if len(by_shard) > 1:
-            results = list(range_pool().map(fetch, by_shard))
+            results = list(shard_pool().map(fetch, by_shard))
         else:
             results = [fetch(s) for s in by_shard]
         for ats, vectors in results:

@@ -175,3 +175,25 @@ def test_a_tenth_of_the_index_in_memory_answers_exactly_as_all_of_it(indexes) ->
         assert got == want
         assert budget.held <= total // 10 + max(s.index.bytes for s in m.shards)
     assert budget.evictions > 0, "the budget must have been exceeded and lists dropped"
+
+
+def test_ranged_reads_cannot_deadlock_the_thread_pools(indexes, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Per-shard work waits on ranged reads; were both on one pool, a full pool would wait forever."""
+    import indexing.reader as reader_mod
+    import indexing.store as store_mod
+
+    _, sq8, x = indexes
+    pools: dict[str, object] = {}
+    monkeypatch.setattr(reader_mod, "_pools", pools)
+    monkeypatch.setattr(reader_mod, "RANGE_THREADS", 1)
+    monkeypatch.setattr(reader_mod, "SHARD_THREADS", 1)
+    uncoalesced = store_mod.coalesce
+    monkeypatch.setattr(store_mod, "coalesce", lambda ranges, gap: uncoalesced(ranges, 0))  # every range its own GET
+    reader = IndexReader(LocalStore(str(sq8)))
+    done: list[object] = []
+    worker = threading.Thread(target=lambda: done.append(reader.search(x[:8] + 0.01, 10, nprobe=8)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert done, "search hung: a pool's task waited on a task queued behind it"
+    for pool in pools.values():
+        pool.shutdown(wait=False)  # type: ignore[attr-defined]
