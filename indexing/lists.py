@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import faiss
 import numpy as np
@@ -161,8 +161,14 @@ class ByteBudget:
     """An LRU of entries with sizes; past ``max_bytes`` the least recently used are dropped
     (each through its own callback). The newest entry stays even if it alone is larger."""
 
-    def __init__(self, max_bytes: int, on_change: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        on_change: Callable[[int], None] | None = None,
+        on_evict: Callable[[Hashable], None] | None = None,
+    ) -> None:
         self.max_bytes = max_bytes
+        self._on_evict = on_evict
         self.held = 0
         self._entries: OrderedDict[Hashable, tuple[int, Callable[[], None]]] = OrderedDict()
         self._lock = threading.Lock()
@@ -170,7 +176,7 @@ class ByteBudget:
         self.evictions = 0
 
     def admit(self, key: Hashable, nbytes: int, evict: Callable[[], None]) -> None:
-        dropped: list[Callable[[], None]] = []
+        dropped: list[tuple[Hashable, Callable[[], None]]] = []
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
@@ -178,13 +184,15 @@ class ByteBudget:
             self._entries[key] = (nbytes, evict)
             self.held += nbytes
             while self.held > self.max_bytes and len(self._entries) > 1:
-                _, (size, drop) = self._entries.popitem(last=False)
+                key_out, (size, drop) = self._entries.popitem(last=False)
                 self.held -= size
                 self.evictions += 1
-                dropped.append(drop)
+                dropped.append((key_out, drop))
             held = self.held
-        for drop in dropped:  # outside the lock: a callback may forget other entries
+        for key_out, drop in dropped:  # outside the lock: a callback may forget other entries
             drop()
+            if self._on_evict is not None:
+                self._on_evict(key_out)
         if self._on_change is not None:
             self._on_change(held)
 
@@ -215,6 +223,14 @@ class Fetched:
         self.bytes += nbytes
 
 
+class RangeRead(Protocol):
+    """(start, length) ranges of one file → their bytes in order, requests made, bytes moved.
+
+    ``fresh=True`` bypasses any local copy (a range that failed its check is read again)."""
+
+    def __call__(self, ranges: list[tuple[int, int]], fresh: bool = False) -> tuple[list[bytes], int, int]: ...
+
+
 class ResidentLists:
     """The lists of one shard that are in memory, fetched by range on demand.
 
@@ -227,8 +243,8 @@ class ResidentLists:
         table: ListTable,
         codec: str,
         trained: np.ndarray,
-        fetch_blocks: Callable[[list[tuple[int, int]]], tuple[list[bytes], int, int]],
-        fetch_vectors: Callable[[list[tuple[int, int]]], tuple[list[bytes], int, int]],
+        fetch_blocks: RangeRead,
+        fetch_vectors: RangeRead,
         budget: ByteBudget | None = None,
         key: Hashable = None,
     ) -> None:
@@ -269,19 +285,13 @@ class ResidentLists:
         ]
         if not missing:
             return found
-        blobs, requests, nbytes = self._fetch_blocks([self.table.span(n) for n in missing])
-        self.fetched.add(requests, nbytes)
-        if moved is not None:
-            moved.add(requests, nbytes)
+        spans = [self.table.span(n) for n in missing]
+        blobs = self._read(self._fetch_blocks, spans, lambda at, blob: self._list_ok(missing[at], blob), moved)
         cs = self.table.code_size
         for list_no, blob in zip(missing, blobs, strict=True):
-            i = list_no - self.table.list_start
-            if (
-                len(blob) != self.table.span(list_no)[1]
-                or hashlib.sha256(blob).digest() != self.table.sha256[i].tobytes()
-            ):
+            if blob is None:
                 raise ListIntegrityError(f"list {list_no} does not match its sha256 in the index; refusing to use it.")
-            n = int(self.table.counts[i])
+            n = int(self.table.counts[list_no - self.table.list_start])
             raw = np.frombuffer(blob, np.uint8)
             codes, digests = raw[: n * cs].reshape(n, cs), raw[n * cs :].reshape(n, DIGEST_BYTES)
             found[list_no] = (codes, digests)
@@ -290,6 +300,34 @@ class ResidentLists:
             if self._budget is not None:
                 self._budget.admit((self._key, list_no), len(blob), partial(self.drop, list_no))
         return found
+
+    def _list_ok(self, list_no: int, blob: bytes) -> bool:
+        i = list_no - self.table.list_start
+        if len(blob) != self.table.span(list_no)[1]:
+            return False
+        return bool(hashlib.sha256(blob).digest() == self.table.sha256[i].tobytes())
+
+    def _read(
+        self,
+        fetch: RangeRead,
+        ranges: list[tuple[int, int]],
+        ok: Callable[[int, bytes], bool],
+        moved: Fetched | None,
+    ) -> list[bytes | None]:
+        """Each range's bytes once checked by ``ok``, else None. A range that fails its check
+        is read once more with ``fresh=True`` (past a local disk tier, from the store itself)."""
+        got, requests, nbytes = fetch(ranges)
+        blobs = [b if ok(i, b) else None for i, b in enumerate(got)]
+        bad = [i for i, b in enumerate(blobs) if b is None]
+        if bad:
+            again, r2, n2 = fetch([ranges[i] for i in bad], fresh=True)
+            requests, nbytes = requests + r2, nbytes + n2
+            for i, blob in zip(bad, again, strict=True):
+                blobs[i] = blob if ok(i, blob) else None
+        self.fetched.add(requests, nbytes)
+        if moved is not None:
+            moved.add(requests, nbytes)
+        return blobs
 
     def drop(self, list_no: int) -> None:
         with self._lock:
@@ -307,13 +345,15 @@ class ResidentLists:
     def vectors(self, rows: np.ndarray, digests: np.ndarray, moved: Fetched | None = None) -> np.ndarray:
         """The float32 vectors of rows, fetched by range, each checked against its digest."""
         width = self.dim * 4
-        blobs, requests, nbytes = self._fetch_vectors([(int(r) * width, width) for r in rows])
-        self.fetched.add(requests, nbytes)
-        if moved is not None:
-            moved.add(requests, nbytes)
+
+        def ok(at: int, blob: bytes) -> bool:
+            digest = hashlib.blake2b(blob, digest_size=DIGEST_BYTES).digest()
+            return len(blob) == width and digest == digests[at].tobytes()
+
+        blobs = self._read(self._fetch_vectors, [(int(r) * width, width) for r in rows], ok, moved)
         out = np.empty((len(rows), self.dim), np.float32)
-        for i, (blob, digest) in enumerate(zip(blobs, digests, strict=True)):
-            if len(blob) != width or hashlib.blake2b(blob, digest_size=DIGEST_BYTES).digest() != digest.tobytes():
+        for i, blob in enumerate(blobs):
+            if blob is None:
                 raise ListIntegrityError(f"vector of row {int(rows[i])} does not match its digest; refusing to use it.")
             out[i] = np.frombuffer(blob, np.float32)
         return out

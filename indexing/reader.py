@@ -23,8 +23,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from indexing.lists import ByteBudget, Fetched, ListTable, ResidentLists, load_codec, search_lists
-from indexing.manifest import Manifest, ShardRef, get_verified, load_manifest
+from indexing.lists import ByteBudget, Fetched, ListTable, RangeRead, ResidentLists, load_codec, search_lists
+from indexing.manifest import FileRef, Manifest, ShardRef, get_verified, load_manifest
+from indexing.sparse import RangeFetch
 from indexing.store import ObjectStore, get_ranges
 
 
@@ -115,21 +116,23 @@ def open_ranged_shard(
     ids_blob: bytes,
     codec_blob: bytes,
     budget: ByteBudget | None = None,
+    disk: Callable[[FileRef, RangeFetch], RangeRead] | None = None,
 ) -> LoadedShard:
-    """A compressed shard ready to search: its lists are fetched by range when probed."""
+    """A compressed shard ready to search: its lists are fetched by range when probed.
+
+    ``disk(file, fetch)``, when given, puts a local tier in front of a file's ranged reads
+    (the shard cache's ``SparseCopy`` of it)."""
     assert ref.vectors is not None
     table = ListTable.from_bytes(table_blob)
     name, trained = load_codec(codec_blob)
-    lists_key, vectors_key = ref.index.key, ref.vectors.key
-    lists = ResidentLists(
-        table,
-        name,
-        trained,
-        lambda ranges: get_ranges(store, lists_key, ranges, range_pool()),
-        lambda ranges: get_ranges(store, vectors_key, ranges, range_pool()),
-        budget,
-        key=ref.index.sha256,
-    )
+
+    def ranged(file: FileRef) -> RangeRead:
+        def fetch(ranges: list[tuple[int, int]], fresh: bool = False) -> tuple[list[bytes], int, int]:
+            return get_ranges(store, file.key, ranges, range_pool())
+
+        return disk(file, fetch) if disk is not None else fetch
+
+    lists = ResidentLists(table, name, trained, ranged(ref.index), ranged(ref.vectors), budget, key=ref.index.sha256)
     return LoadedShard(None, pq.read_table(io.BytesIO(ids_blob)), lists=lists)
 
 

@@ -6,7 +6,10 @@ by concurrent requests share one fetch.
 
 A compressed (ranged) shard is opened from its small files (list table, id map, codec);
 its lists arrive by range as queries probe them and share the one memory budget with the
-shards: ``memory_bytes`` bounds both, least recently used first.
+shards: ``memory_bytes`` bounds both, least recently used first. With a directory, its
+ranged reads (lists and the float vectors that re-rank) also go through a sparse local
+copy of each file (``indexing.sparse.SparseCopy``): a range read once is read from disk
+after that, and the disk bound covers those copies too (by allocated bytes).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import threading
 from functools import partial
 from pathlib import Path
 
-from indexing.lists import ByteBudget
+from indexing.lists import ByteBudget, RangeRead
 from indexing.manifest import FileRef, ShardRef, get_verified, sha256
 from indexing.reader import LoadedShard, decode_shard, open_ranged_shard
+from indexing.sparse import RangeFetch, SparseCopy
 from indexing.store import ObjectStore
 from retrieval import metrics
 
@@ -38,12 +42,16 @@ class ShardCache:
         self.memory_bytes = memory_bytes
         self.disk_bytes = disk_bytes
         self._memory: dict[str, LoadedShard] = {}
-        self.budget = ByteBudget(memory_bytes, on_change=metrics.CACHE_MEMORY_BYTES.set)
+        self.budget = ByteBudget(memory_bytes, on_change=metrics.CACHE_MEMORY_BYTES.set, on_evict=_count_list_eviction)
         self._lock = threading.Lock()
         self._inflight: dict[str, threading.Lock] = {}
+        self._disk_held = 0
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
-            metrics.CACHE_DISK_BYTES.set(self._disk_usage())
+            self._disk_held = self._disk_usage()
+            if self._disk_held > disk_bytes:  # a smaller bound than the last run's
+                self._trim_disk()
+            metrics.CACHE_DISK_BYTES.set(self._disk_held)
 
     # -- the ShardSource protocol ----------------------------------------------------
 
@@ -63,7 +71,7 @@ class ShardCache:
                     assert ref.table is not None and ref.codec is not None
                     got = [self._file(store, f) for f in (ref.table, ref.ids, ref.codec)]
                     (table, _), (ids, _), (codec, _) = got
-                    shard = open_ranged_shard(store, ref, table, ids, codec, self.budget)
+                    shard = open_ranged_shard(store, ref, table, ids, codec, self.budget, self._ranged)
                 else:
                     got = [self._file(store, f) for f in (ref.index, ref.ids)]
                     shard = decode_shard(got[0][0], got[1][0])
@@ -142,9 +150,35 @@ class ShardCache:
             return
         self._trim_disk()
 
+    def _ranged(self, file: FileRef, fetch: RangeFetch) -> RangeRead:
+        """Ranged reads of a compressed shard's file: counted, and through a sparse local
+        copy of it when the cache has a directory."""
+
+        def counted(ranges: list[tuple[int, int]], fresh: bool = False) -> tuple[list[bytes], int, int]:
+            blobs, requests, nbytes = fetch(ranges)
+            metrics.RANGE_READS.labels("store").inc(len(ranges))
+            metrics.RANGE_REQUESTS.inc(requests)
+            metrics.CACHE_FETCHED_BYTES.inc(nbytes)
+            return blobs, requests, nbytes
+
+        if self.directory is None:
+            return counted
+        path = self.directory / f"{file.sha256}.part"
+        return SparseCopy(path, file.bytes, counted, self._grew, metrics.RANGE_READS.labels("disk").inc)
+
+    def _grew(self, nbytes: int) -> None:
+        """A sparse copy took ``nbytes`` more of the disk; past the disk bound, trim."""
+        with self._lock:
+            self._disk_held += nbytes
+            over = self._disk_held > self.disk_bytes
+        if over:
+            self._trim_disk()
+        else:
+            metrics.CACHE_DISK_BYTES.set(self._disk_held)
+
     def _disk_usage(self) -> int:
         assert self.directory is not None
-        return sum(p.stat().st_size for p in self.directory.iterdir() if p.is_file() and not p.name.startswith("."))
+        return sum(_allocated(p) for p in self.directory.iterdir() if p.is_file() and not p.name.startswith("."))
 
     def _trim_disk(self) -> None:
         assert self.directory is not None
@@ -155,12 +189,30 @@ class ShardCache:
                     st = p.stat()
                 except FileNotFoundError:
                     continue
-                files.append((st.st_mtime, st.st_size, p))
+                files.append((st.st_mtime, min(st.st_size, st.st_blocks * 512), p))
         total = sum(size for _, size, _ in files)
+        target = self.disk_bytes * 9 // 10  # some room, so that the next write does not trim again
         for _, size, p in sorted(files):
-            if total <= self.disk_bytes:
+            if total <= target:
                 break
             p.unlink(missing_ok=True)
+            p.with_name(f".{p.name}.have").unlink(missing_ok=True)  # a sparse copy's log of what it holds
             total -= size
             metrics.CACHE_EVICTIONS.labels("disk").inc()
+        with self._lock:
+            self._disk_held = total
         metrics.CACHE_DISK_BYTES.set(total)
+
+
+def _allocated(path: Path) -> int:
+    """Bytes a file takes on disk (a sparse copy takes only what was written)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return 0
+    return min(st.st_size, st.st_blocks * 512)
+
+
+def _count_list_eviction(key: object) -> None:
+    if isinstance(key, tuple):  # (shard, list): a compressed list left memory (shards count in _drop)
+        metrics.CACHE_EVICTIONS.labels("list").inc()

@@ -25,7 +25,17 @@ CACHE_REQUESTS = Counter(
 CACHE_FETCHED_BYTES = Counter("streamrag_shard_cache_fetched_bytes_total", "Bytes fetched from the index store")
 CACHE_MEMORY_BYTES = Gauge("streamrag_shard_cache_memory_bytes", "Bytes of shards held in memory")
 CACHE_DISK_BYTES = Gauge("streamrag_shard_cache_disk_bytes", "Bytes of shard files in the disk cache")
-CACHE_EVICTIONS = Counter("streamrag_shard_cache_evictions_total", "Shards evicted, by tier", ["tier"])
+CACHE_EVICTIONS = Counter(
+    "streamrag_shard_cache_evictions_total", "Shards (memory, disk) and compressed lists (list) evicted", ["tier"]
+)
+RANGE_READS = Counter(
+    "streamrag_index_range_reads_total",
+    "Byte ranges of compressed shards (lists, re-rank vectors) read, by where they came from",
+    ["tier"],
+)  # disk | store
+RANGE_REQUESTS = Counter(
+    "streamrag_index_range_requests_total", "Ranged GETs sent to the index store (near ranges share one)"
+)
 TAIL_ROWS = Gauge("streamrag_tail_rows", "Chunk versions in the fresh tail (newer than the index)")
 TAIL_LAG = Gauge(
     "streamrag_tail_lag_seconds", "Staleness of the tail: time since a poll last found it up to date with the lake"

@@ -197,3 +197,42 @@ def test_ranged_reads_cannot_deadlock_the_thread_pools(indexes, monkeypatch: pyt
     assert done, "search hung: a pool's task waited on a task queued behind it"
     for pool in pools.values():
         pool.shutdown(wait=False)  # type: ignore[attr-defined]
+
+
+def test_the_disk_tier_serves_a_restarted_replica_and_repairs_rot(indexes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from retrieval.cache import ShardCache
+
+    _, sq8, x = indexes
+    queries = x[:20] + 0.01
+    cache_dir = tmp_path / "cache"
+
+    def replica(**kw: int) -> tuple[IndexReader, CountingStore, ShardCache]:
+        store = CountingStore(str(sq8))
+        cache = ShardCache(cache_dir, **kw)
+        return IndexReader(store, source=cache), store, cache
+
+    def answers(reader: IndexReader) -> list[list[tuple[int, int]]]:
+        return [[(h.shard, h.faiss_id) for h in row] for row in reader.search(queries, 10, nprobe=8)]
+
+    first, store, _ = replica()
+    want = answers(first)
+    assert store.ranged, "a cold replica reads lists and vectors by range"
+    again, store, _ = replica()  # a restart: memory empty, disk kept
+    assert answers(again) == want
+    assert not any(k.endswith((".lists", ".vectors")) for k, _, _ in store.ranged), "all from the disk tier"
+    assert not any(k.endswith((".lists", ".vectors")) for k in store.whole)
+    for part in cache_dir.glob("*.part"):  # rot every byte the copies hold
+        data = bytearray(part.read_bytes())
+        for i in range(0, len(data), 7):
+            data[i] ^= 0x5A
+        part.write_bytes(bytes(data))
+    rotted, store, _ = replica()
+    assert answers(rotted) == want, "rotten local bytes fail their check and are read again from the store"
+    assert store.ranged
+    healed, store, _ = replica()
+    assert answers(healed) == want and not store.ranged, "the fresh reads repaired the copies"
+    total = sum(r.index.bytes + r.vectors.bytes for r in first.manifest.shards)  # type: ignore[union-attr]
+    small, _, _ = replica(disk_bytes=total // 20)
+    answers(small)
+    usage = sum(min(p.stat().st_size, p.stat().st_blocks * 512) for p in cache_dir.iterdir() if p.is_file())
+    assert usage <= total // 20 + 64 * 1024, "the disk bound holds the sparse copies too"
