@@ -9,8 +9,10 @@ what a first byte from real S3 costs):
 - cold: a fresh replica's first query (latency, GET requests, bytes moved), and the next 20;
 - warm: p50/p99 over every query once each has run, recall@10 against exact search at the
   engine's default nprobe, and the memory the cache holds for index data;
-- a replica whose memory budget is a tenth of the index: recall, latency, requests and
-  bytes per query (it serves the whole index from a tenth of it);
+- restarted: the first query of a replica restarted on the same cache directory (the disk
+  tier: whole files, and sparse copies of the ranges read);
+- a replica whose memory budget is a tenth of the index, without and with a disk tier:
+  recall, latency, requests and bytes per query (it serves the whole index from a tenth);
 - storage bytes per million vectors.
 
 One JSON line per codec. Run: ``.venv/bin/python -m benchmarks.decoupled`` (or
@@ -26,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
@@ -46,6 +49,9 @@ from retrieval.engine import SearchEngine, default_nprobe
 from retrieval.views import EngineOptions
 from serving.embedder import load_embedder
 from tests.indexing.lakes import chunk_rows
+
+#: queries of the tenth-of-memory replicas (twice each; without a disk tier each moves megabytes)
+TENTH_QUERIES = 100
 
 
 class LatencyStore(ObjectStore):
@@ -159,48 +165,62 @@ def bench_codecs(work: Path, codecs: list[str], delay_ms: float, n_queries: int)
             stored = upload(local, s3)
             data_bytes = sum(s.index.bytes for s in manifest.shards)  # codes (or float IVF) only
 
-            def replica(memory: int, s3: S3Store = s3) -> tuple[SearchEngine, LatencyStore, ShardCache]:
+            def replica(
+                memory: int, cache_dir: Path | None, s3: S3Store = s3
+            ) -> tuple[SearchEngine, LatencyStore, ShardCache]:
                 slow = LatencyStore(s3, delay_ms / 1000)
-                cache = ShardCache(None, memory_bytes=memory)
+                cache = ShardCache(cache_dir, memory_bytes=memory)
                 # cold means cold: nothing fetched before the first query
                 engine = SearchEngine(lake, slow, VectorsOnly(model), cache, EngineOptions(prefetch=False))
                 engine.start(background=False)
                 return engine, slow, cache
 
-            engine, slow, cache = replica(64 << 30)
-            view = engine.current_view()
-            r0, b0 = slow.snapshot()
-            t0 = time.perf_counter()
-            engine.search_vector(view, queries[0], 10, ANONYMOUS)
-            first_s = time.perf_counter() - t0
-            r1, b1 = slow.snapshot()
+            def first_query(engine: SearchEngine, slow: LatencyStore) -> tuple[float, int, int]:
+                view = engine.current_view()
+                r0, b0 = slow.snapshot()
+                t0 = time.perf_counter()
+                engine.search_vector(view, queries[0], 10, ANONYMOUS)
+                took = time.perf_counter() - t0
+                r1, b1 = slow.snapshot()
+                return took, r1 - r0, b1 - b0
+
+            disk = work / f"cache-{codec}"
+            engine, slow, cache = replica(64 << 30, disk)
+            first_s, first_requests, first_bytes = first_query(engine, slow)
             next20, _ = run_queries(engine, queries[1:21], truth[1:21], ids)
             run_queries(engine, queries, truth, ids)  # every probed list resident
             warm, recall = run_queries(engine, queries, truth, ids)
             held = cache.memory_held
             engine.stop()
+            engine, slow, _ = replica(64 << 30, disk)  # a restart: memory empty, the disk tier kept
+            restart_s, restart_requests, _ = first_query(engine, slow)
+            engine.stop()
 
             budget = max(1, data_bytes // 10)
-            engine, slow, cache = replica(budget)
-            run_queries(engine, queries, truth, ids)
-            r2, b2 = slow.snapshot()
-            tenth, tenth_recall = run_queries(engine, queries, truth, ids)
-            r3, b3 = slow.snapshot()
-            tenth_held = cache.memory_held
-            engine.stop()
+            tenth: dict[str, Any] = {"budget_mb": round(budget / 2**20, 2)}
+            for tier, directory in (("memory_only", None), ("with_disk", work / f"tenth-{codec}")):
+                engine, slow, cache = replica(budget, directory)
+                some, some_truth = queries[:TENTH_QUERIES], truth[:TENTH_QUERIES]  # each one fetches megabytes
+                run_queries(engine, some, some_truth, ids)
+                r2, b2 = slow.snapshot()
+                latencies, tenth_recall = run_queries(engine, some, some_truth, ids)
+                r3, b3 = slow.snapshot()
+                tenth[tier] = {**ms(latencies), "recall_at_10": round(tenth_recall, 4),
+                               "memory_mb": round(cache.memory_held / 2**20, 2),
+                               "requests_per_query": round((r3 - r2) / len(some), 2),
+                               "kb_per_query": round((b3 - b2) / len(some) / 1024, 1)}  # fmt: skip
+                engine.stop()
             per_million = 1e6 / manifest.count
             emit(bench="decoupled_serving", corpus="pydocs", n=manifest.count, codec=codec, nlist=manifest.nlist,
                  nprobe=default_nprobe(manifest.nlist), delay_ms_per_request=delay_ms,
                  build_s=round(build_s, 1),
                  storage_mb_per_million=round(stored * per_million / 2**20, 1),
-                 cold_first_query_ms=round(first_s * 1000, 1), cold_first_requests=r1 - r0,
-                 cold_first_mb=round((b1 - b0) / 2**20, 3), cold_next_20=ms(next20),
+                 cold_first_query_ms=round(first_s * 1000, 1), cold_first_requests=first_requests,
+                 cold_first_mb=round(first_bytes / 2**20, 3), cold_next_20=ms(next20),
+                 restarted_first_query_ms=round(restart_s * 1000, 1), restarted_first_requests=restart_requests,
                  warm=ms(warm), recall_at_10=round(recall, 4),
                  memory_mb=round(held / 2**20, 1), memory_mb_per_million=round(held * per_million / 2**20, 1),
-                 tenth_budget_mb=round(budget / 2**20, 2), tenth_memory_mb=round(tenth_held / 2**20, 2),
-                 tenth=ms(tenth), tenth_recall_at_10=round(tenth_recall, 4),
-                 tenth_requests_per_query=round((r3 - r2) / len(queries), 2),
-                 tenth_kb_per_query=round((b3 - b2) / len(queries) / 1024, 1))  # fmt: skip
+                 tenth=tenth)  # fmt: skip
     finally:
         proc.terminate()
         proc.wait(30)

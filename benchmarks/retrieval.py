@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import os
 import random
 import shutil
@@ -65,6 +67,8 @@ from retrieval.engine import SearchEngine
 from retrieval.views import EngineOptions
 from serving.embedder import Embedder, ModelIdentity
 from tests.indexing.lakes import chunk_rows
+
+log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "retrieval.cli"]
@@ -386,6 +390,10 @@ class Changes:
 
     def __init__(self, producer: Producer, topic: str, bodies: dict[int, str], rate: float, queries: list[str]):
         self.producer, self.topic, self.bodies, self.rate, self.queries = producer, topic, bodies, rate, queries
+        # Timing a change means searching for it every 10 ms until it shows; on 2 cores that
+        # load alone saturates a server past ~2 timed changes/s. Faster streams time a sample
+        # (every n-th change) so that the detection load stays that of 2/s.
+        self.timed_every = max(1, math.ceil(rate / TIMED_PER_S))
         self.lsn = 10_000
         self.lock = threading.Lock()
         self.local = threading.local()
@@ -410,20 +418,29 @@ class Changes:
             self.local.http = httpx.Client(timeout=30)
         return any(found == pk and text[:60] in hit for found, hit in target.search(self.local.http, text, 3))
 
-    def change(self, target: Target, pk: int, text: str | None, due: float, gone: str | None) -> float:
-        """One change at ``due``; seconds until ``target`` shows it (the new text, or ``gone`` absent)."""
+    def change(
+        self, target: Target, pk: int, text: str | None, due: float, gone: str | None, timed: bool = True
+    ) -> float | None:
+        """One change at ``due``; seconds until ``target`` shows it (the new text, or ``gone``
+        absent), or None for an untimed change (sent, not searched for)."""
         time.sleep(max(0.0, due - time.monotonic()))
         t0 = self.send(pk, text)
+        if not timed:
+            return None
         while self.shows(target, pk, gone) if gone is not None else not self.shows(target, pk, text or ""):
             if time.monotonic() - t0 > 60:
-                raise RuntimeError(f"{target.name}: change of note {pk} not visible after 60 s")
+                log.warning("%s: change of note %s not visible after 60 s", target.name, pk)
+                return math.inf  # counted as not visible, never dropped silently
             time.sleep(0.01)
         return time.monotonic() - t0
 
     def measure(
-        self, target: Target, plan: list[tuple[int, str | None, str | None]]
+        self, target: Target, plan: list[tuple[int, str | None, str | None]], rate: float | None = None
     ) -> tuple[list[float], list[float]]:
-        """(lags, search latencies of one client searching meanwhile) for changes made at ``rate``/s."""
+        """(lags, search latencies of one client searching meanwhile) for changes made at
+        ``rate``/s (the stream's rate by default)."""
+        rate = rate or self.rate
+        every = max(1, math.ceil(rate / TIMED_PER_S))
         stop = threading.Event()
         during: list[float] = []
         rng = random.Random(5)
@@ -438,10 +455,12 @@ class Changes:
         start = time.monotonic() + 0.5
         with ThreadPoolExecutor(1) as side, ThreadPoolExecutor(16) as pool:
             side.submit(searcher)
-            futures = [pool.submit(self.change, target, pk, text, start + i / self.rate, gone)
-                       for i, (pk, text, gone) in enumerate(plan)]  # fmt: skip
-            lags = [f.result() for f in futures]
-            stop.set()
+            try:
+                futures = [pool.submit(self.change, target, pk, text, start + i / rate, gone, i % every == 0)
+                           for i, (pk, text, gone) in enumerate(plan)]  # fmt: skip
+                lags = [lag for f in futures if (lag := f.result()) is not None]
+            finally:
+                stop.set()  # else a failed change leaves the searcher, and the benchmark, running forever
         return lags, during
 
     def idle(self, target: Target, seconds: float) -> list[float]:
@@ -464,17 +483,23 @@ class Changes:
             text = self.bodies[pk]
             if self.shows(target, pk, text):  # (else not in its own top 3: not measurable)
                 gone_plan.append((pk, None, text))
-        gone, _ = self.measure(target, gone_plan)
+        gone, _ = self.measure(target, gone_plan, min(self.rate, TIMED_PER_S))  # few deletes: all timed
 
         def pct(values: list[float], q: float) -> int | None:
             return round(float(np.percentile(np.array(values) * 1000, q))) if values else None
 
-        return dict(updates=len(lags), p50_ms=pct(lags, 50), p95_ms=pct(lags, 95), p99_ms=pct(lags, 99),
+        invisible = sum(1 for x in lags + gone if math.isinf(x))
+        lags, gone = [x for x in lags if not math.isinf(x)], [x for x in gone if not math.isinf(x)]
+        return dict(not_visible_after_60_s=invisible, updates=len(lags),
+                    p50_ms=pct(lags, 50), p95_ms=pct(lags, 95), p99_ms=pct(lags, 99),
                     deletes=len(gone), delete_gone_p50_ms=pct(gone, 50), delete_gone_p95_ms=pct(gone, 95),
                     delete_gone_p99_ms=pct(gone, 99), search_idle=percentiles(idle),
                     search_during_updates=percentiles(during),
                     search_p99_ratio=round(float(np.percentile(during, 99) / np.percentile(idle, 99)), 2))  # fmt: skip
 
+
+#: changes per second that the freshness benchmark times (faster streams time every n-th change)
+TIMED_PER_S = 2.0
 
 #: both systems' librdkafka fetch.wait.max.ms: Tansu holds a fetch for its whole wait (docs/PITFALLS.md)
 FETCH_WAIT_MS = 10
@@ -615,7 +640,8 @@ def _freshness(
                                              [*threads, "--kafka-config", json.dumps(fetch_wait)])  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - our figures still stand; say why the peer's are missing
                 peer_figures = f"failed: {exc}"
-        emit(bench="freshness", lake=store, rate_per_s=rate, push="commit notices", cpu_threads=cpu_threads,
+        emit(bench="freshness", lake=store, rate_per_s=rate, timed_every=changes.timed_every,
+             push="commit notices", cpu_threads=cpu_threads,
              fetch_wait_ms=FETCH_WAIT_MS,
              **ours, stages_mean=stages,
              peer=peer_figures,

@@ -30,6 +30,7 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -257,6 +258,7 @@ class ResidentLists:
         self._budget = budget
         self._key = key
         self._lists: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # list → (codes, digests)
+        self._inflight: dict[int, Future[tuple[np.ndarray, np.ndarray]]] = {}  # lists being fetched
         self._lock = threading.Lock()
         self.fetched = Fetched()  # since the shard was opened
 
@@ -271,23 +273,44 @@ class ResidentLists:
 
     def lists(self, wanted: list[int], moved: Fetched | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """(codes, digests) of each wanted list: resident ones at once, the others fetched
-        (one ranged read per run of neighbouring lists) and checked against the table."""
+        (one ranged read per run of neighbouring lists) and checked against the table. A list
+        another query is already fetching is waited for, not fetched twice."""
         found: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        claimed: dict[int, Future[tuple[np.ndarray, np.ndarray]]] = {}
+        awaited: dict[int, Future[tuple[np.ndarray, np.ndarray]]] = {}
         with self._lock:
-            for list_no in wanted:
+            for list_no in dict.fromkeys(wanted):
                 if list_no in self._lists:
                     found[list_no] = self._lists[list_no]
+                elif list_no in self._inflight:
+                    awaited[list_no] = self._inflight[list_no]
+                elif self.table.counts[list_no - self.table.list_start] > 0:
+                    claimed[list_no] = self._inflight[list_no] = Future()
         for list_no in found:
             if self._budget is not None:
                 self._budget.touch((self._key, list_no))
-        missing = [
-            n for n in dict.fromkeys(wanted) if n not in found and self.table.counts[n - self.table.list_start] > 0
-        ]
-        if not missing:
-            return found
+        if claimed:
+            try:
+                found.update(self._fetch_lists(list(claimed), moved))
+            except BaseException as exc:
+                for future in claimed.values():
+                    future.set_exception(exc)
+                raise
+            finally:
+                with self._lock:
+                    for list_no in claimed:
+                        self._inflight.pop(list_no, None)
+            for list_no, future in claimed.items():
+                future.set_result(found[list_no])
+        for list_no, future in awaited.items():
+            found[list_no] = future.result()
+        return found
+
+    def _fetch_lists(self, missing: list[int], moved: Fetched | None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         spans = [self.table.span(n) for n in missing]
         blobs = self._read(self._fetch_blocks, spans, lambda at, blob: self._list_ok(missing[at], blob), moved)
         cs = self.table.code_size
+        found = {}
         for list_no, blob in zip(missing, blobs, strict=True):
             if blob is None:
                 raise ListIntegrityError(f"list {list_no} does not match its sha256 in the index; refusing to use it.")

@@ -35,6 +35,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from indexing.lists import ListIntegrityError
+from indexing.store import StoreError
 from pipelines import secrets
 from retrieval import metrics
 from retrieval.acl import ANONYMOUS, Principal
@@ -202,6 +204,17 @@ def create_app(
     @app.exception_handler(SearchError)
     async def search_error(_: Request, exc: SearchError) -> JSONResponse:
         return error(exc.status, str(exc), {"Retry-After": "5"} if exc.status == 503 else None)
+
+    @app.exception_handler(StoreError)
+    async def store_error(_: Request, exc: StoreError) -> JSONResponse:
+        # a probed list or vector not yet local while the index store is down: retry later
+        log.warning("index store error during a request: %s", exc)
+        return error(503, "the index store is unavailable; retry shortly.", {"Retry-After": "5"})
+
+    @app.exception_handler(ListIntegrityError)
+    async def corrupt(_: Request, exc: ListIntegrityError) -> JSONResponse:
+        log.error("index data failed its integrity check: %s", exc)
+        return error(502, "index data read from storage failed its integrity check; the server log has the details.")
 
     @app.exception_handler(GeneratorError)
     async def generator_error(_: Request, exc: GeneratorError) -> JSONResponse:

@@ -236,3 +236,34 @@ def test_the_disk_tier_serves_a_restarted_replica_and_repairs_rot(indexes, tmp_p
     answers(small)
     usage = sum(min(p.stat().st_size, p.stat().st_blocks * 512) for p in cache_dir.iterdir() if p.is_file())
     assert usage <= total // 20 + 64 * 1024, "the disk bound holds the sparse copies too"
+
+
+def test_concurrent_queries_fetch_a_list_once(indexes) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    _, sq8, x = indexes
+
+    class SlowStore(CountingStore):
+        def get_range(self, key: str, start: int, length: int) -> bytes:
+            time.sleep(0.05)  # every query arrives while the first fetch is in flight
+            return super().get_range(key, start, length)
+
+    store = SlowStore(str(sq8))
+    reader = IndexReader(store)
+    query = x[:1] + 0.01
+    reader.shards(range(len(reader.manifest.shards)))  # the small files first: only lists remain to fetch
+    barrier = threading.Barrier(8)
+    results: list[list[int]] = []
+
+    def ask() -> None:
+        barrier.wait()
+        results.append([h.faiss_id for h in reader.search(query, 10, nprobe=4)[0]])
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 8 and all(r == results[0] for r in results)
+    list_reads = [(k, s) for k, s, _ in store.ranged if k.endswith(".lists")]
+    assert len(list_reads) == len(set(list_reads)), "a list being fetched is waited for, not fetched again"

@@ -103,3 +103,25 @@ def test_transport_errors_of_every_kind_are_generator_errors(audit: AuditLog, ex
     assert client.post("/v1/answer", json=QUESTION).status_code == 502
     assert events(client.post("/v1/answer", json={**QUESTION, "stream": True}).text)[-1][0] == "error"
     assert [r["status"] for r in audit_rows(audit)] == ["failed", "failed"]
+
+
+@pytest.mark.parametrize(
+    ("failure", "status"),
+    [("store", 503), ("integrity", 502)],
+)
+def test_index_storage_failures_during_a_search_are_clear_json_errors(failure: str, status: int) -> None:
+    """A probed list not yet local while the index store is down, or one that fails its check."""
+    from indexing.lists import ListIntegrityError
+    from indexing.store import StoreUnavailable
+
+    class Failing(StubEngine):
+        def search(self, *args: Any, **kwargs: Any) -> Any:
+            if failure == "store":
+                raise StoreUnavailable("GET s3://bucket/index/shard-0-3.lists: connection refused")
+            raise ListIntegrityError("list 3 does not match its sha256 in the index; refusing to use it.")
+
+    client = TestClient(create_app(Failing(TEXTS), None, None))  # type: ignore[arg-type]
+    r = client.post("/v1/search", json={"query": "penguins", "k": 2})
+    assert r.status_code == status, r.text
+    assert ("retry" in r.json()["error"]) == (status == 503) and "s3://" not in r.text
+    assert (r.headers.get("retry-after") == "5") == (status == 503)
