@@ -397,6 +397,7 @@ class Changes:
         self.lsn = 10_000
         self.lock = threading.Lock()
         self.local = threading.local()
+        self.next_poll = 0.0  # the detection searches' shared pace (``--max-polls-per-s``)
 
     def send(self, pk: int, body: str | None) -> float:
         """Produce a change (``body`` None: delete); the monotonic time it was acknowledged."""
@@ -416,6 +417,11 @@ class Changes:
         """The detection rule, the same for every system: the note with this text in the top 3."""
         if not hasattr(self.local, "http"):
             self.local.http = httpx.Client(timeout=30)
+        if MAX_POLLS_PER_S:  # one pace for all changes in flight: the detection load cannot feed on lag
+            with self.lock:
+                at = max(time.monotonic(), self.next_poll)
+                self.next_poll = at + 1 / MAX_POLLS_PER_S
+            time.sleep(max(0.0, at - time.monotonic()))
         return any(found == pk and text[:60] in hit for found, hit in target.search(self.local.http, text, 3))
 
     def change(
@@ -500,6 +506,9 @@ class Changes:
 
 #: changes per second that the freshness benchmark times (faster streams time every n-th change)
 TIMED_PER_S = 2.0
+
+#: detection searches per second across all changes in flight (None: each polls every 10 ms)
+MAX_POLLS_PER_S: float | None = None
 
 #: both systems' librdkafka fetch.wait.max.ms: Tansu holds a fetch for its whole wait (docs/PITFALLS.md)
 FETCH_WAIT_MS = 10
@@ -641,6 +650,7 @@ def _freshness(
             except Exception as exc:  # noqa: BLE001 - our figures still stand; say why the peer's are missing
                 peer_figures = f"failed: {exc}"
         emit(bench="freshness", lake=store, rate_per_s=rate, timed_every=changes.timed_every,
+             max_polls_per_s=MAX_POLLS_PER_S,
              push="commit notices", cpu_threads=cpu_threads,
              fetch_wait_ms=FETCH_WAIT_MS,
              **ours, stages_mean=stages,
@@ -712,6 +722,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="HTTP load duration per client count")
     parser.add_argument("--updates", type=int, default=100)
     parser.add_argument("--rate", type=float, default=2.0, help="updates/s in the freshness section")
+    parser.add_argument(
+        "--max-polls-per-s",
+        type=float,
+        help="freshness: cap on detection searches per second, all changes together (none)",
+    )
     parser.add_argument("--fresh-store", choices=["local", "s3"], action="append", help="lake for freshness (local)")
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     parser.add_argument("--delay-ms", type=float, default=20.0, help="codecs: added to every S3 request (20)")
@@ -719,6 +734,8 @@ def main() -> None:
     parser.add_argument("--pathway-python", type=Path, default=ROOT / ".venv-pathway" / "bin" / "python",
                         help="Pathway's environment (made by make bench): the freshness peer")  # fmt: skip
     args = parser.parse_args()
+    global MAX_POLLS_PER_S
+    MAX_POLLS_PER_S = args.max_polls_per_s
     sections = set(args.only or ["search", "cold", "http", "freshness", "tail", "codecs"])
     TAGS["corpus"] = "synthetic"
     work = Path(tempfile.mkdtemp(prefix="srbench-", dir="/tmp"))
