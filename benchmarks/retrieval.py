@@ -390,10 +390,6 @@ class Changes:
 
     def __init__(self, producer: Producer, topic: str, bodies: dict[int, str], rate: float, queries: list[str]):
         self.producer, self.topic, self.bodies, self.rate, self.queries = producer, topic, bodies, rate, queries
-        # Timing a change means searching for it every 10 ms until it shows; on 2 cores that
-        # load alone saturates a server past ~2 timed changes/s. Faster streams time a sample
-        # (every n-th change) so that the detection load stays that of 2/s.
-        self.timed_every = max(1, math.ceil(rate / TIMED_PER_S))
         self.lsn = 10_000
         self.lock = threading.Lock()
         self.local = threading.local()
@@ -446,7 +442,7 @@ class Changes:
         """(lags, search latencies of one client searching meanwhile) for changes made at
         ``rate``/s (the stream's rate by default)."""
         rate = rate or self.rate
-        every = max(1, math.ceil(rate / TIMED_PER_S))
+        every = timed_every(rate)
         stop = threading.Event()
         during: list[float] = []
         rng = random.Random(5)
@@ -506,6 +502,14 @@ class Changes:
 
 #: changes per second that the freshness benchmark times (faster streams time every n-th change)
 TIMED_PER_S = 2.0
+
+
+def timed_every(rate: float) -> int:
+    """Timing a change means searching for it every 10 ms until it shows; on 2 cores that load
+    alone saturates a server past ~2 timed changes/s. Faster streams time every n-th change,
+    so that the detection load stays that of 2/s."""
+    return max(1, math.ceil(rate / TIMED_PER_S))
+
 
 #: detection searches per second across all changes in flight (None: each polls every 10 ms)
 MAX_POLLS_PER_S: float | None = None
@@ -649,7 +653,7 @@ def _freshness(
                                              [*threads, "--kafka-config", json.dumps(fetch_wait)])  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - our figures still stand; say why the peer's are missing
                 peer_figures = f"failed: {exc}"
-        emit(bench="freshness", lake=store, rate_per_s=rate, timed_every=changes.timed_every,
+        emit(bench="freshness", lake=store, rate_per_s=rate, timed_every=timed_every(rate),
              max_polls_per_s=MAX_POLLS_PER_S,
              push="commit notices", cpu_threads=cpu_threads,
              fetch_wait_ms=FETCH_WAIT_MS,

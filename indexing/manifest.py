@@ -69,6 +69,14 @@ class ShardRef:
     def files(self) -> list[FileRef]:
         return [f for f in (self.index, self.ids, self.table, self.vectors, self.codec) if f is not None]
 
+    def opened(self) -> list[FileRef]:
+        """The files that opening the shard fetches whole: a ranged shard's list table, id map
+        and codec (its lists come later, by range), else the index and the id map."""
+        if self.ranged:
+            assert self.table is not None and self.codec is not None
+            return [self.table, self.ids, self.codec]
+        return [self.index, self.ids]
+
 
 @dataclass
 class Manifest:

@@ -71,12 +71,22 @@ def stored_vector(shard: LoadedShard, faiss_id: int) -> np.ndarray:
 
 def load_shard(store: ObjectStore, ref: ShardRef, budget: ByteBudget | None = None) -> LoadedShard:
     """Fetch and verify one shard and its id map (a ranged shard: its list table, not its lists)."""
+    return open_shard(store, ref, [get_verified(store, f) for f in ref.opened()], budget)
+
+
+def open_shard(
+    store: ObjectStore,
+    ref: ShardRef,
+    blobs: list[bytes],
+    budget: ByteBudget | None = None,
+    disk: Callable[[FileRef, RangeFetch], RangeRead] | None = None,
+) -> LoadedShard:
+    """A shard from the verified bytes of ``ref.opened()``, in that order."""
     if ref.ranged:
-        assert ref.table is not None and ref.codec is not None
-        table, ids, codec = (get_verified(store, r) for r in (ref.table, ref.ids, ref.codec))
-        return open_ranged_shard(store, ref, table, ids, codec, budget)
-    blob = get_verified(store, ref.index)
-    return decode_shard(blob, get_verified(store, ref.ids))
+        table, ids, codec = blobs
+        return open_ranged_shard(store, ref, table, ids, codec, budget, disk)
+    index, ids = blobs
+    return decode_shard(index, ids)
 
 
 def decode_shard(index_blob: bytes, ids_blob: bytes) -> LoadedShard:

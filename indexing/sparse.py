@@ -91,7 +91,6 @@ class SparseCopy:
         self._file: _File | None = None
         self._have = Intervals()
         self._broken = False  # a failing disk degrades to reading from the store
-        self.disk_reads = 0  # ranges read from disk
 
     def __call__(self, ranges: list[tuple[int, int]], fresh: bool = False) -> tuple[list[bytes], int, int]:
         if self._broken:
@@ -113,7 +112,6 @@ class SparseCopy:
                     continue
                 if len(data) == length:
                     out[i] = data
-                    self.disk_reads += 1
         missing = [i for i, blob in enumerate(out) if blob is None]
         if len(missing) < len(ranges) and self._on_disk_read is not None:
             self._on_disk_read(len(ranges) - len(missing))
@@ -124,10 +122,6 @@ class SparseCopy:
                 out[i] = blob
             self._write(file, [(ranges[i][0], blobs[k]) for k, i in enumerate(missing)])
         return [b if b is not None else b"" for b in out], requests, nbytes
-
-    def close(self) -> None:
-        with self._lock:
-            self._file = None
 
     # -- the local file ------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from indexing.lists import ByteBudget, RangeRead
 from indexing.manifest import FileRef, ShardRef, get_verified, sha256
-from indexing.reader import LoadedShard, decode_shard, open_ranged_shard
+from indexing.reader import LoadedShard, open_shard
 from indexing.sparse import RangeFetch, SparseCopy
 from indexing.store import ObjectStore
 from retrieval import metrics
@@ -67,14 +67,8 @@ class ShardCache:
             if found is not None:
                 return found
             try:
-                if ref.ranged:  # its lists come by range later; these files are small
-                    assert ref.table is not None and ref.codec is not None
-                    got = [self._file(store, f) for f in (ref.table, ref.ids, ref.codec)]
-                    (table, _), (ids, _), (codec, _) = got
-                    shard = open_ranged_shard(store, ref, table, ids, codec, self.budget, self._ranged)
-                else:
-                    got = [self._file(store, f) for f in (ref.index, ref.ids)]
-                    shard = decode_shard(got[0][0], got[1][0])
+                got = [self._file(store, f) for f in ref.opened()]  # a ranged shard's lists come later
+                shard = open_shard(store, ref, [blob for blob, _ in got], self.budget, self._ranged)
             finally:
                 with self._lock:
                     self._inflight.pop(key, None)
@@ -178,7 +172,14 @@ class ShardCache:
 
     def _disk_usage(self) -> int:
         assert self.directory is not None
-        return sum(_allocated(p) for p in self.directory.iterdir() if p.is_file() and not p.name.startswith("."))
+        total = 0
+        for p in self.directory.iterdir():
+            if p.is_file() and not p.name.startswith("."):
+                try:
+                    total += _allocated(p.stat())
+                except FileNotFoundError:
+                    continue
+        return total
 
     def _trim_disk(self) -> None:
         assert self.directory is not None
@@ -189,7 +190,7 @@ class ShardCache:
                     st = p.stat()
                 except FileNotFoundError:
                     continue
-                files.append((st.st_mtime, min(st.st_size, st.st_blocks * 512), p))
+                files.append((st.st_mtime, _allocated(st), p))
         total = sum(size for _, size, _ in files)
         target = self.disk_bytes * 9 // 10  # some room, so that the next write does not trim again
         for _, size, p in sorted(files):
@@ -204,12 +205,8 @@ class ShardCache:
         metrics.CACHE_DISK_BYTES.set(total)
 
 
-def _allocated(path: Path) -> int:
+def _allocated(st: os.stat_result) -> int:
     """Bytes a file takes on disk (a sparse copy takes only what was written)."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return 0
     return min(st.st_size, st.st_blocks * 512)
 
 

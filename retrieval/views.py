@@ -152,10 +152,7 @@ class Views:
                 newest, reader.manifest.lake_version, self._tail.state.base_version,
             )  # fmt: skip
             return False
-        # What opening every shard fetches (a ranged shard's lists come later, by range).
-        total = sum(
-            f.bytes for s in reader.manifest.shards for f in ([s.table, s.ids] if s.table else [s.index, s.ids])
-        )
+        total = sum(f.bytes for s in reader.manifest.shards for f in s.opened())  # what opening every shard fetches
         if self.options.prefetch and total <= self.options.prefetch_bytes:
             reader.shards(range(len(reader.manifest.shards)))  # warm before the first query needs it
         self._reader = reader  # queries that already hold the old pair finish on it
