@@ -38,8 +38,11 @@ class EmbeddedCorpus:
     embedder: Embedder
 
 
-def embedded_pydocs(limit: int | None = None, max_tokens: int = 200, overlap: int = 32) -> EmbeddedCorpus:
-    embedder = SentenceTransformerEmbedder()
+def embedded_pydocs(
+    limit: int | None = None, max_tokens: int = 200, overlap: int = 32, embedder: Embedder | None = None
+) -> EmbeddedCorpus:
+    """The docs chunked and embedded (by ``embedder``, default fp32), cached per model identity."""
+    embedder = embedder or SentenceTransformerEmbedder()
     docs = load_pydocs(PYDOCS, limit)
     key = hashlib.sha256(
         json.dumps([str(embedder.identity), max_tokens, overlap, [(d.id, len(d.body)) for d in docs]]).encode()

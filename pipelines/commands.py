@@ -46,7 +46,11 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--mapping", dest="mapping_file", metavar="FILE", help="table → document mapping (YAML/JSON)")
     p.add_argument("--model", help="embedding model directory (default: bundled all-MiniLM-L6-v2)")
     p.add_argument("--device", help="auto (default: CUDA fp16 when present), cpu or cuda")
-    p.add_argument("--dtype", help="auto (default), fp32, bf16 (faster on AVX512-BF16 CPUs) or fp16")
+    p.add_argument(
+        "--dtype",
+        help="auto (default), fp32, bf16 (faster on AVX512-BF16 CPUs), fp16 or int8 (ONNX Runtime on CPUs, "
+        "~2x fp32; a distinct model: serve the index with --dtype int8 too)",
+    )
     p.add_argument(
         "--cpu-threads",
         type=int,

@@ -34,7 +34,7 @@ class IngestSettings(BaseSettings):
     mapping_file: str | None = None
     model: str | None = None
     device: str = "auto"
-    dtype: str = Field("auto", pattern=r"^(auto|fp32|bf16|fp16)$")
+    dtype: str = Field("auto", pattern=r"^(auto|fp32|bf16|fp16|int8)$")
     cpu_threads: int | None = Field(None, ge=1, le=1024)
     workers: int = Field(1, ge=1, le=256)
     writers: int = Field(2, ge=1, le=256)

@@ -28,6 +28,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", metavar="URI", help="the index store (required)")
     p.add_argument("--model", help="query embedder: the index's model directory (default: bundled all-MiniLM-L6-v2)")
     p.add_argument("--device", help="auto (default), cpu or cuda")
+    p.add_argument("--dtype", help="query embedder precision: auto (default), fp32, bf16, fp16 or int8 (as ingest had)")
     p.add_argument(
         "--cpu-threads",
         type=int,
@@ -150,7 +151,7 @@ def _engine(config: EngineSettings) -> Any:
         index_poll_s=config.index_poll,
         prefetch_bytes=memory,
     )
-    embedder = load_embedder(config.model, device=config.device, cpu_threads=config.cpu_threads)
+    embedder = load_embedder(config.model, device=config.device, dtype=config.dtype, cpu_threads=config.cpu_threads)
     return SearchEngine(Lake.at(config.lake, settings), open_store(config.index, settings), embedder, cache, options)
 
 

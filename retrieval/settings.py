@@ -25,6 +25,7 @@ class EngineSettings(BaseSettings):
     index: str = Field(description="the index store: path, file:// or s3://")
     model: str | None = Field(None, description="query embedder: the index's model directory")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    dtype: str = Field("auto", pattern=r"^(auto|fp32|bf16|fp16|int8)$", description="query embedder precision")
     cpu_threads: int | None = Field(None, ge=1, le=1024, description="threads per query embedding on CPU")
     nprobe: int | None = Field(None, ge=1, description="IVF lists probed per query (default 16%, 32-128)")
     cache_dir: Path | None = Field(None, description="disk cache for shards (~/.cache/streamrag/shards)")

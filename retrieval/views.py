@@ -128,9 +128,11 @@ class Views:
         reader = IndexReader(self.store, version, source=self.source)
         model = str(self.embedder.identity)
         if reader.manifest.model != model:
+            built = reader.manifest.model
+            hint = "--dtype int8" if "+int8@" in built else "that model (--model, and --dtype as the ingest job had)"
             raise SearchError(
-                f"index version {reader.manifest.version} was built from vectors of {reader.manifest.model}, "
-                f"but the query embedder is {model}; serve it with that model (--model).",
+                f"index version {reader.manifest.version} was built from vectors of {built}, "
+                f"but the query embedder is {model}; serve it with {hint}.",
                 status=503,
             )
         with self._versions_lock:

@@ -4,9 +4,10 @@ Every vector is stored with the :class:`ModelIdentity` of the model that made it
 (name + dimension + a hash of the weights), so vectors of different models never mix
 silently: the lake writer, the index builder and the query path all compare identities.
 
-Backends: ``serving.st_embedder`` (sentence-transformers, the default) and
-``serving.fake_embedder`` (the test double); :func:`load_embedder` builds the one a
-setting names. Model files: ``serving.models``; device and precision: ``serving.devices``.
+Backends: ``serving.st_embedder`` (sentence-transformers, the default),
+``serving.onnx_embedder`` (int8 on CPUs) and ``serving.fake_embedder`` (the test double);
+:func:`load_embedder` builds the one a setting names. Model files: ``serving.models``;
+device and precision: ``serving.devices``.
 
 >>> from serving.fake_embedder import FakeEmbedder
 >>> FakeEmbedder(dim=8).embed(["hello world"]).shape
@@ -128,11 +129,20 @@ def _token_batches(order: list[int], lengths: list[int], budget: int) -> list[li
 
 
 def load_embedder(model: str | None = None, device: str = "auto", **kwargs: Any) -> Embedder:
-    """Build the embedder a setting names: ``"fake"`` or a sentence-transformers model."""
+    """Build the embedder a setting names: ``"fake"`` or a sentence-transformers model.
+
+    ``dtype="int8"`` selects the quantized CPU backend (``serving.onnx_embedder``).
+    """
     if model == "fake":
         from serving.fake_embedder import FakeEmbedder
 
         return FakeEmbedder(**{k: v for k, v in kwargs.items() if k in ("dim", "token_budget")})
+    if kwargs.get("dtype") == "int8":
+        if device not in ("auto", "cpu"):
+            raise EmbedderError(f"--dtype int8 runs on the CPU; drop --device {device} or choose another dtype.")
+        from serving.onnx_embedder import OnnxInt8Embedder
+
+        return OnnxInt8Embedder(model, **{k: v for k, v in kwargs.items() if k in ("token_budget", "cpu_threads")})
     from serving.st_embedder import SentenceTransformerEmbedder
 
     return SentenceTransformerEmbedder(model, device=device, **kwargs)
