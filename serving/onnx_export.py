@@ -19,7 +19,8 @@ same, feed-forward outputs kept fp32        1.8x        0.994 / 0.991
 Reduced range (7-bit weights) avoids the saturation of AVX2's u8×s8 products; keeping the
 embedding lookups (Gather) in fp32 costs nothing measurable.
 
-The export runs in a child process (``python -m serving.onnx_export SRC DST``):
+``python -m serving.onnx_export [MODEL_DIR]`` caches it ahead of first use (``make`` does, for
+the bundled model). The export runs in a child process:
 ``torch.onnx.export`` alters the live model it traces, and the exporter's memory is
 returned when the child exits. Export and quantization are deterministic (the same
 versions give byte-identical files), so every replica that exports the same model gets
@@ -95,7 +96,7 @@ def ensure_int8(model_dir: Path) -> tuple[Path, str]:
         target.mkdir(exist_ok=True)
         (target / META_FILE).unlink(missing_ok=True)  # the metadata is the commit marker: written last
         done = subprocess.run(
-            [sys.executable, "-m", "serving.onnx_export", str(model_dir), str(target)],
+            [sys.executable, "-m", "serving.onnx_export", "--child", str(model_dir), str(target)],
             capture_output=True,
             text=True,
             check=False,
@@ -175,13 +176,28 @@ def export(model_dir: Path, target: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m serving.onnx_export [MODEL_DIR]``: make sure the int8 file is cached (install time).
+
+    ``--child MODEL_DIR TARGET_DIR`` is the export itself, run by :func:`ensure_int8`.
+    """
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m serving.onnx_export MODEL_DIR TARGET_DIR", file=sys.stderr)
-        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    export(Path(args[0]), Path(args[1]))
+    if len(args) == 3 and args[0] == "--child":
+        export(Path(args[1]), Path(args[2]))
+        return 0
+    if len(args) > 1 or (args and args[0].startswith("-")):
+        print("usage: python -m serving.onnx_export [MODEL_DIR]  (default: the bundled model)", file=sys.stderr)
+        return 2
+    from serving.models import resolve_model
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        path, sha = ensure_int8(resolve_model(args[0] if args else None)[1])
+    except EmbedderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"int8 model: {path} (sha256 {sha[:16]})")
     return 0
 
 
