@@ -519,7 +519,13 @@ FETCH_WAIT_MS = 10
 
 
 def bench_freshness(
-    work: Path, updates: int, rate: float, store: str, peer: Path | None, cpu_threads: int | None = None
+    work: Path,
+    updates: int,
+    rate: float,
+    store: str,
+    peer: Path | None,
+    cpu_threads: int | None = None,
+    dtype: str | None = None,
 ) -> None:
     moto = None
     lake, index = str(work / f"fresh-lake-{store}"), str(work / f"fresh-index-{store}")
@@ -531,7 +537,7 @@ def bench_freshness(
         boto3.client("s3").create_bucket(Bucket="fresh")
         lake, index = "s3://fresh/lake", "s3://fresh/index"
     try:
-        _freshness(work, updates, rate, store, lake, index, peer, cpu_threads)
+        _freshness(work, updates, rate, store, lake, index, peer, cpu_threads, dtype)
     finally:
         if moto is not None:
             moto.terminate()
@@ -571,7 +577,15 @@ def pathway_phase(
 
 
 def _freshness(
-    work: Path, updates: int, rate: float, store: str, lake: str, index: str, peer: Path | None, cpu_threads: int | None
+    work: Path,
+    updates: int,
+    rate: float,
+    store: str,
+    lake: str,
+    index: str,
+    peer: Path | None,
+    cpu_threads: int | None,
+    dtype: str | None,
 ) -> None:
     docs = load_pydocs()
     rng = random.Random(4)
@@ -591,7 +605,8 @@ def _freshness(
         for pk in range(n_docs):  # unique text per note: each one is its own best match
             changes.send(pk, f"Note {pk} original text. " + paragraphs[pk % len(paragraphs)])
         threads = ["--cpu-threads", str(cpu_threads)] if cpu_threads else []
-        ingest = [*CLI, "ingest", "--bootstrap", bootstrap, "--topic", topic, "--lake", lake, *threads,
+        embedder_args = [*threads, *(["--dtype", dtype] if dtype else [])]  # an int8 lake needs int8 queries too
+        ingest = [*CLI, "ingest", "--bootstrap", bootstrap, "--topic", topic, "--lake", lake, *embedder_args,
                   "--recovery-dir", str(work / f"fresh-recovery-{store}"), "--batch-max-events", "16",
                   "--fetch-wait-ms", str(FETCH_WAIT_MS),
                   *os.environ.get("FRESH_EXTRA", "").split()]  # fmt: skip
@@ -606,7 +621,7 @@ def _freshness(
                                start_new_session=True)  # fmt: skip
         procs.append(job)
         # Commit notices from the ingest job (the lake is polled every 2 s as a fallback).
-        server, url = serve(lake, index, work, "--bootstrap", bootstrap, *threads)
+        server, url = serve(lake, index, work, "--bootstrap", bootstrap, *embedder_args)
         procs.append(server)
         time.sleep(10)  # the ingest job's model load is not part of the lag
 
@@ -655,7 +670,7 @@ def _freshness(
                 peer_figures = f"failed: {exc}"
         emit(bench="freshness", lake=store, rate_per_s=rate, timed_every=timed_every(rate),
              max_polls_per_s=MAX_POLLS_PER_S,
-             push="commit notices", cpu_threads=cpu_threads,
+             push="commit notices", cpu_threads=cpu_threads, dtype=dtype or "auto",
              fetch_wait_ms=FETCH_WAIT_MS,
              **ours, stages_mean=stages,
              peer=peer_figures,
@@ -735,6 +750,7 @@ def main() -> None:
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     parser.add_argument("--delay-ms", type=float, default=20.0, help="codecs: added to every S3 request (20)")
     parser.add_argument("--cpu-threads", type=int, help="freshness: --cpu-threads of ingest, serve and the peer")
+    parser.add_argument("--dtype", help="freshness: --dtype of our ingest and serve (int8; the peer stays fp32)")
     parser.add_argument("--pathway-python", type=Path, default=ROOT / ".venv-pathway" / "bin" / "python",
                         help="Pathway's environment (made by make bench): the freshness peer")  # fmt: skip
     args = parser.parse_args()
@@ -769,7 +785,7 @@ def main() -> None:
             for store in args.fresh_store or ["local"]:
                 bench_freshness(work, args.updates, args.rate, store,
                                 args.pathway_python if args.pathway_python.exists() else None,
-                                args.cpu_threads)  # fmt: skip
+                                args.cpu_threads, args.dtype)  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
     sys.stdout.flush()
