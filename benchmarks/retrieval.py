@@ -394,6 +394,9 @@ class Changes:
         self.lock = threading.Lock()
         self.local = threading.local()
         self.next_poll = 0.0  # the detection searches' shared pace (``--max-polls-per-s``)
+        self.sent: dict[int, list[float]] = {}  # note → when each of its changes was acknowledged
+        #: for timed changes never seen: seconds until the note's next change replaced them
+        self.superseded: list[float] = []
 
     def send(self, pk: int, body: str | None) -> float:
         """Produce a change (``body`` None: delete); the monotonic time it was acknowledged."""
@@ -407,6 +410,7 @@ class Changes:
             t0 = time.monotonic()
             self.producer.produce(self.topic, value, key)
             self.producer.flush(10)
+            self.sent.setdefault(pk, []).append(t0)
         return t0
 
     def shows(self, target: Target, pk: int, text: str) -> bool:
@@ -431,6 +435,9 @@ class Changes:
             return None
         while self.shows(target, pk, gone) if gone is not None else not self.shows(target, pk, text or ""):
             if time.monotonic() - t0 > 60:
+                later = [t for t in self.sent.get(pk, []) if t > t0]
+                if later:  # a later change replaced it: only a lag past that gap could hide it
+                    self.superseded.append(round(min(later) - t0, 1))
                 log.warning("%s: change of note %s not visible after 60 s", target.name, pk)
                 return math.inf  # counted as not visible, never dropped silently
             time.sleep(0.01)
@@ -479,6 +486,7 @@ class Changes:
     def run(self, target: Target, updates: list[tuple[int, str]], deletes: list[int]) -> dict[str, Any]:
         """Idle search, then updates, then deletes: one system's figures."""
         idle = self.idle(target, 15)
+        self.superseded = []
         lags, during = self.measure(target, [(pk, text, None) for pk, text in updates])
         gone_plan: list[tuple[int, str | None, str | None]] = []
         for pk in deletes:
@@ -492,7 +500,7 @@ class Changes:
 
         invisible = sum(1 for x in lags + gone if math.isinf(x))
         lags, gone = [x for x in lags if not math.isinf(x)], [x for x in gone if not math.isinf(x)]
-        return dict(not_visible_after_60_s=invisible, updates=len(lags),
+        return dict(not_visible_after_60_s=invisible, superseded_after_s=self.superseded, updates=len(lags),
                     p50_ms=pct(lags, 50), p95_ms=pct(lags, 95), p99_ms=pct(lags, 99),
                     deletes=len(gone), delete_gone_p50_ms=pct(gone, 50), delete_gone_p95_ms=pct(gone, 95),
                     delete_gone_p99_ms=pct(gone, 99), search_idle=percentiles(idle),
