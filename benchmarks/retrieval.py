@@ -422,7 +422,11 @@ class Changes:
                 at = max(time.monotonic(), self.next_poll)
                 self.next_poll = at + 1 / MAX_POLLS_PER_S
             time.sleep(max(0.0, at - time.monotonic()))
-        return any(found == pk and text[:60] in hit for found, hit in target.search(self.local.http, text, 3))
+        # Whitespace-insensitive: a document cut into several chunks has its whitespace runs collapsed.
+        head = " ".join(text[:60].split())
+        return any(
+            found == pk and head in " ".join(hit.split()) for found, hit in target.search(self.local.http, text, 3)
+        )
 
     def change(
         self, target: Target, pk: int, text: str | None, due: float, gone: str | None, timed: bool = True
