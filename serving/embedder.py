@@ -113,6 +113,13 @@ class Embedder(ABC):
         return out
 
 
+def hf_token_counts(tokenizer: Any, texts: Sequence[str]) -> list[int]:
+    """Tokens per text, special tokens included, untruncated, by a Hugging Face tokenizer."""
+    if not texts:
+        return []
+    return [len(ids) for ids in tokenizer(list(texts), add_special_tokens=True, truncation=False)["input_ids"]]
+
+
 def _token_batches(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
     """Split indices (sorted by ascending length) into batches of padded cost <= budget."""
     batches: list[list[int]] = []

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from serving.embedder import Embedder, EmbedderError, ModelIdentity, Vectors
+from serving.embedder import Embedder, EmbedderError, ModelIdentity, Vectors, hf_token_counts
 from serving.models import resolve_model
 from serving.onnx_export import ensure_int8
 
@@ -62,10 +62,7 @@ class OnnxInt8Embedder(Embedder):
         return self._identity
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        if not texts:
-            return []
-        encoded = self._tokenizer(list(texts), add_special_tokens=True, truncation=False)
-        return [len(ids) for ids in encoded["input_ids"]]
+        return hf_token_counts(self._tokenizer, texts)
 
     def embed_batch(self, texts: Sequence[str]) -> Vectors:
         """Each text runs alone, texts in parallel on a thread each.

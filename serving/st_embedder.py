@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from serving.devices import pick_device, torch_dtype
-from serving.embedder import Embedder, EmbedderError, ModelIdentity, Vectors
+from serving.embedder import Embedder, EmbedderError, ModelIdentity, Vectors, hf_token_counts
 from serving.memory import release_freed_memory
 from serving.models import resolve_model, weights_hash
 
@@ -66,10 +66,7 @@ class SentenceTransformerEmbedder(Embedder):
         return self._identity
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        if not texts:
-            return []
-        encoded = self._tokenizer(list(texts), add_special_tokens=True, truncation=False)
-        return [len(ids) for ids in encoded["input_ids"]]
+        return hf_token_counts(self._tokenizer, texts)
 
     def embed_batch(self, texts: Sequence[str]) -> Vectors:
         if self._auto_threads and self.device == "cpu":
