@@ -55,7 +55,7 @@ class Runtime:
             self.settings.model,
             device=self.settings.device,
             dtype=self.settings.dtype,
-            token_budget=self.settings.embed_token_budget,
+            **({"token_budget": self.settings.embed_token_budget} if self.settings.embed_token_budget else {}),
             cpu_threads=self.settings.cpu_threads,
         )
 

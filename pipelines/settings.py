@@ -46,7 +46,7 @@ class IngestSettings(BaseSettings):
     fetch_wait_ms: int = Field(100, ge=1, le=10_000)
     chunk_max_tokens: int = Field(200, ge=16)
     chunk_overlap_tokens: int = Field(24, ge=0)
-    embed_token_budget: int = Field(8192, ge=64)
+    embed_token_budget: int | None = Field(None, ge=64)  # None: the backend's (2048 on CPU, 8192 on GPU)
     vector_cache_size: int = Field(50_000, ge=0)
     dlq_suffix: str = ".dlq"
     notices_topic: str = Field(DEFAULT_NOTICES_TOPIC, pattern=r"^[A-Za-z0-9._-]*$")  # "": no notices

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 from serving.embedder import DEFAULT_MODEL, EmbedderError
 
@@ -17,10 +18,16 @@ def weights_hash(model_dir: Path) -> str:
         raise EmbedderError(f"no weight files (*.safetensors, *.bin) under {model_dir}.")
     for path in files:
         digest.update(str(path.relative_to(model_dir)).encode())
-        with path.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
+        feed(digest, path)
     return digest.hexdigest()
+
+
+def feed(digest: Any, path: Path) -> Any:
+    """Update a hashlib digest with a file's bytes, a block at a time; returns the digest."""
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest
 
 
 def default_model_path() -> Path:

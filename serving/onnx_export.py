@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.embedder import EmbedderError
-from serving.models import weights_hash
+from serving.models import feed, weights_hash
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +72,19 @@ def cache_dir(model_dir: Path) -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return str(feed(hashlib.sha256(), path).hexdigest())
 
 
 def ensure_int8(model_dir: Path) -> tuple[Path, str]:
     """(quantized model file, its sha256), exporting it first if the cache lacks a valid one."""
     target = cache_dir(model_dir)
+    try:
+        return _ensure(model_dir, target)
+    except OSError as exc:
+        raise EmbedderError(f"cannot write the int8 model cache at {target}: {exc}") from exc
+
+
+def _ensure(model_dir: Path, target: Path) -> tuple[Path, str]:
     source = weights_hash(model_dir)
     found = _cached(target, source)
     if found is not None:

@@ -60,3 +60,13 @@ def test_real_model_identity_and_vectors(real_embedder) -> None:
     single = np.vstack([real_embedder.embed([t]) for t in ["Kafka stores events.", "Bananas are yellow."]])
     np.testing.assert_allclose(single, vecs[[0, 2]], atol=1e-5)
     assert real_embedder.count_tokens(["hello world"]) == [4]
+
+
+def test_token_budget_defaults_to_the_cpu_size_unless_set(real_embedder, tmp_path) -> None:
+    from pipelines.flow import Runtime
+    from pipelines.settings import IngestSettings
+    from serving.st_embedder import CPU_TOKEN_BUDGET
+
+    assert real_embedder.device == "cpu" and real_embedder.token_budget == CPU_TOKEN_BUDGET
+    settings = IngestSettings(topics=["x"], lake=str(tmp_path / "lake"), model="fake", embed_token_budget=4096)
+    assert Runtime(settings).embedder.token_budget == 4096
