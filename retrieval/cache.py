@@ -14,6 +14,7 @@ after that, and the disk bound covers those copies too (by allocated bytes).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -122,7 +123,8 @@ class ShardCache:
             except OSError:
                 data = b""
             if len(data) == ref.bytes and sha256(data) == ref.sha256:
-                os.utime(path)  # LRU by modification time
+                with contextlib.suppress(FileNotFoundError):  # trimmed by a concurrent load: bytes verified
+                    os.utime(path)  # LRU by modification time
                 return data, True
             log.warning("discarding corrupt cache file %s", path)
             path.unlink(missing_ok=True)
