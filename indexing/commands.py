@@ -29,7 +29,7 @@ def add_commands(sub: Any) -> None:
     isub = index.add_subparsers(dest="index_command", required=True)
     p = isub.add_parser(
         "build",
-        help="snapshot the lake, train k-means on Ray, publish IVF shards",
+        help="snapshot the lake, train k-means (in-process or on Ray), publish IVF shards",
         description="Every option can also be set as a variable STREAMRAG_INDEX_BUILD_<OPTION> "
         "(STREAMRAG_INDEX_BUILD_KEEP=5); flags win.",
     )
@@ -37,7 +37,13 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--index", metavar="URI", help="index store: path, file:// or s3:// (required)")
     p.add_argument("--nlist", type=int, help="IVF lists (default about 4*sqrt(N))")
     p.add_argument("--lake-version", type=int, help="Delta version to index (default latest)")
-    p.add_argument("--ray-address", help="join a Ray cluster (default: local Ray on this machine's cores)")
+    p.add_argument("--ray-address", help="join a Ray cluster (implies --executor ray)")
+    p.add_argument(
+        "--executor",
+        choices=["auto", "local", "ray"],
+        help="auto (default): in this process below 1 GiB of vectors (no Ray start-up), else Ray "
+        "(local Ray on this machine's cores unless --ray-address)",
+    )
     p.add_argument("--iterations", type=int, help="k-means iterations at most (20)")
     p.add_argument("--seed", type=int, help="(1234)")
     p.add_argument("--shard-mb", type=float, help="target shard size in MB (64)")
@@ -169,7 +175,7 @@ def _build_once(config: IndexBuildSettings, as_json: bool) -> int:
 
 
 def _build(config: IndexBuildSettings) -> dict[str, Any]:
-    from indexing.distributed import start_ray
+    from indexing.distributed import choose_executor, start_ray
     from indexing.ivf import BuildOptions, build_index
     from indexing.manifest import collect_garbage, latest_version, publish
     from indexing.snapshot import plan
@@ -195,15 +201,19 @@ def _build(config: IndexBuildSettings) -> dict[str, Any]:
         reuse_centroids=config.reuse_centroids,
         drift_threshold=config.drift_threshold,
         codec=config.codec,
+        executor=choose_executor(config.executor, snap.count, snap.dim, config.ray_address),
     )
-    with tempfile.TemporaryDirectory(prefix="srray-", dir=_short_temp_dir()) as tmp:
-        start_ray(config.ray_address, Path(tmp))
-        try:
-            manifest = build_index(snap, store.root, settings, opts)
-        finally:
-            import ray
+    if opts.executor == "local":
+        manifest = build_index(snap, store.root, settings, opts)
+    else:
+        with tempfile.TemporaryDirectory(prefix="srray-", dir=_short_temp_dir()) as tmp:
+            start_ray(config.ray_address, Path(tmp))
+            try:
+                manifest = build_index(snap, store.root, settings, opts)
+            finally:
+                import ray
 
-            ray.shutdown()
+                ray.shutdown()
     version = publish(store, manifest)
     deleted = collect_garbage(store, config.keep, config.gc_grace) if config.keep else []
     summary = {

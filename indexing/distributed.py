@@ -1,8 +1,10 @@
-"""Ray-distributed k-means data: actors each hold one partition and return partial sums.
+"""Where a build's partitions live: Ray actors, or this process. One interface, two executors.
 
-Local Ray by default (the machine's cores, no dashboard); ``--ray-address`` joins a
-cluster. Each actor loads its own partition (e.g. a list of lake files read straight from
-object storage), so vectors never funnel through the driver.
+``RayData``: local Ray by default (the machine's cores, no dashboard); ``--ray-address``
+joins a cluster. Each actor loads its own partition (e.g. a list of lake files read
+straight from object storage), so vectors never funnel through the driver.
+``LocalPartitions``: the same calls in this process, for builds too small to repay Ray's
+start-up (``choose_executor``).
 """
 
 from __future__ import annotations
@@ -10,15 +12,31 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from tqdm import tqdm
 
 from indexing.kmeans import Matrix, PartialSums, partial_sums, sample_indices, split_indices
 
 log = logging.getLogger(__name__)
+
+#: below this many bytes of vectors an ``auto`` build runs in-process: Ray's start-up and
+#: object transfers cost more than its processes gain on one machine (benchmarks/index.py)
+LOCAL_MAX_BYTES = 1 << 30
+
+
+def choose_executor(executor: str, count: int, dim: int, ray_address: str | None = None) -> str:
+    """``local`` or ``ray`` for a build of count × dim float32 vectors; a cluster address means Ray."""
+    if executor != "auto":
+        return executor
+    if ray_address:
+        return "ray"
+    return "local" if count * dim * 4 <= LOCAL_MAX_BYTES else "ray"
+
 
 #: Builds a partition where it will live: an array of vectors, or an object with a
 #: ``vectors`` attribute (e.g. :class:`indexing.snapshot.Partition`).
@@ -121,9 +139,81 @@ class RayData:
         refs = [ray.put(a) for a in args]
         return list(ray.get([actor.call.remote(fn, *refs) for actor in self.actors]))
 
+    def run(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], desc: str, progress: bool) -> list[Any]:
+        """fn(*args) for each args as Ray tasks (object refs among args resolve where they run)."""
+        import ray
+
+        task = ray.remote(fn)
+        futures = [task.remote(*args) for args in calls]
+        with tqdm(total=len(futures), desc=desc, disable=not progress, leave=False) as bar:
+            pending = list(futures)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                bar.update(len(done))
+        return list(ray.get(futures))
+
+    remote = True
+
     def close(self) -> None:
         import ray
 
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+
+
+class LocalPartitions:
+    """``RayData``'s interface over partitions held in this process (faiss and BLAS use the
+    machine's threads; shard tasks run on a thread pool)."""
+
+    remote = False
+
+    def __init__(self, loaders: Sequence[Loader]) -> None:
+        self.parts = [loader() for loader in loaders]
+        self.vectors = [
+            np.ascontiguousarray(p.vectors if hasattr(p, "vectors") else p, dtype=np.float32) for p in self.parts
+        ]
+        self._counts = [len(v) for v in self.vectors]
+        dims = {int(v.shape[1]) for v in self.vectors if len(v) and v.ndim == 2}
+        if len(dims) > 1:
+            raise ValueError(f"partitions disagree on the vector dimension: {sorted(dims)}")
+        self._dim = dims.pop() if dims else 0
+
+    def count(self) -> int:
+        return sum(self._counts)
+
+    def counts(self) -> list[int]:
+        return list(self._counts)
+
+    def dim(self) -> int:
+        return self._dim
+
+    def sample(self, n: int, seed: int) -> Matrix:
+        local = split_indices(sample_indices(self.count(), n, seed), self._counts)
+        return np.concatenate([v[rows] for v, rows in zip(self.vectors, local, strict=True) if len(rows)])
+
+    def assign_partial(self, centroids: Matrix) -> PartialSums:
+        parts = [partial_sums(v, centroids) for v in self.vectors]
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
+
+    def map(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return [fn(part, *args) for part in self.parts]
+
+    def run(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], desc: str, progress: bool) -> list[Any]:
+        workers = min(len(calls), os.cpu_count() or 1) or 1
+        results: list[Any] = [None] * len(calls)
+        with (
+            ThreadPoolExecutor(workers) as pool,
+            tqdm(total=len(calls), desc=desc, disable=not progress, leave=False) as bar,
+        ):
+            futures = {pool.submit(fn, *args): i for i, args in enumerate(calls)}
+            for future in as_completed(futures):
+                results[futures[future]] = future.result()
+                bar.update(1)
+        return results
+
+    def close(self) -> None:
+        self.parts, self.vectors = [], []

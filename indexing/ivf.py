@@ -2,9 +2,16 @@
 
 Stages, each idempotent: centroids (trained, or reused while they still fit) → every
 partition assigns its vectors to lists where it lives → lists are grouped into shards of
-a target size → shards are built in parallel by Ray tasks that receive their vectors
-straight from the partitions' actors (nothing funnels through the driver) and write to
+a target size → shards are built in parallel by tasks that receive their vectors
+straight from the partitions (nothing funnels through the driver) and write to
 object storage → the manifest is published last.
+
+One code path, two executors (``indexing.distributed``): Ray actors and tasks, or this
+process and a thread pool for builds too small to repay Ray's start-up.
+
+Many lists (``TWO_LEVEL_MIN_K`` and up) train two-level k-means on a bounded sample, refine
+it over all data, and assign through a coarse level over the centroids whose agreement
+with exact assignment is measured on a sample and recorded (``stats``).
 """
 
 from __future__ import annotations
@@ -13,11 +20,13 @@ import io
 import itertools
 import logging
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from functools import partial
+from functools import partial, reduce
+from operator import add
 from typing import Any
 
 import faiss
@@ -26,8 +35,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from indexing.distributed import RayData
-from indexing.kmeans import KMeansResult, nearest, train_kmeans
+from indexing.distributed import LocalPartitions, RayData, choose_executor
+from indexing.kmeans import (
+    SAMPLE_PER_LIST,
+    TWO_LEVEL_MIN_K,
+    CoarseLevel,
+    PartialSums,
+    assign,
+    partial_sums,
+    train_kmeans,
+    train_two_level,
+)
 from indexing.lists import encode_lists, save_codec, train_codec
 from indexing.manifest import (
     FORMAT_VERSION,
@@ -65,6 +83,17 @@ class BuildOptions:
     progress: bool = True
     #: "flat" (float32 IVF shards, read whole) or a compressed, list-granular codec (indexing.lists)
     codec: str = "flat"
+    #: "auto" (in-process below ``LOCAL_MAX_BYTES`` of vectors, else Ray), "local" or "ray"
+    executor: str = "auto"
+    #: two-level k-means: training points per list, then Lloyd steps over all data
+    sample_per_list: int = SAMPLE_PER_LIST
+    refine: int = 1
+
+
+#: vectors on which a coarse level's agreement with exact assignment is measured
+CHECK_SAMPLE = 10_000
+
+BuildData = RayData | LocalPartitions
 
 
 def choose_nlist(n: int) -> int:
@@ -90,26 +119,33 @@ def plan_shards(counts: np.ndarray, dim: int, shard_bytes: int) -> list[tuple[in
 # -- functions that run where the data lives ------------------------------------------
 
 
-def _assign(part: Partition, centroids: np.ndarray) -> tuple[np.ndarray, float]:
-    dist, labels = nearest(part.vectors, centroids)
+def _assign(part: Partition, centroids: np.ndarray, level: CoarseLevel | None) -> tuple[np.ndarray, float]:
+    dist, labels = assign(part.vectors, centroids, level)
     part.labels = labels
     return np.bincount(labels, minlength=len(centroids)), float(dist.astype(np.float64).sum())
+
+
+def _partial(part: Partition, centroids: np.ndarray, level: CoarseLevel | None) -> PartialSums:
+    return partial_sums(part.vectors, centroids, level)
 
 
 def _bounds(part: Partition) -> tuple[np.ndarray, np.ndarray]:
     return part.vectors.min(axis=0), part.vectors.max(axis=0)
 
 
-def _blocks(part: Partition, ranges: list[tuple[int, int]]) -> list[Any]:
-    """This partition's rows of each shard, as Ray objects (handed to shard tasks directly)."""
-    import ray
-
+def _blocks(part: Partition, ranges: list[tuple[int, int]], remote: bool) -> list[Any]:
+    """This partition's rows of each shard: Ray objects when ``remote`` (handed to shard
+    tasks directly), else the tuples themselves."""
     assert part.labels is not None
-    refs = []
+    blocks = []
     for start, end in ranges:
         sel = np.flatnonzero((part.labels >= start) & (part.labels < end))
-        refs.append(ray.put((part.vectors[sel], part.labels[sel], part.rows.take(pa.array(sel)))))
-    return refs
+        blocks.append((part.vectors[sel], part.labels[sel], part.rows.take(pa.array(sel))))
+    if not remote:
+        return blocks
+    import ray
+
+    return [ray.put(b) for b in blocks]
 
 
 @dataclass(frozen=True)
@@ -166,10 +202,65 @@ def build_shard(
 # -- the driver ------------------------------------------------------------------------
 
 
+def _imbalance(counts: np.ndarray) -> float:
+    """faiss's imbalance factor: k * sum(n_i^2) / N^2 (1.0 = perfectly even lists)."""
+    return float(len(counts) * np.square(counts.astype(np.float64)).sum() / float(counts.sum()) ** 2)
+
+
+def _coarse_level(data: BuildData, centroids: np.ndarray, seed: int) -> CoarseLevel | None:
+    """A coarse level over many centroids (probe chosen on a sample of the data), else None."""
+    if len(centroids) < TWO_LEVEL_MIN_K:
+        return None
+    return CoarseLevel.fit(centroids, data.sample(CHECK_SAMPLE, seed + 1), seed=seed)
+
+
+@dataclass
+class Assigned:
+    """Every partition's vectors assigned to lists (labels kept where the partitions live)."""
+
+    counts: np.ndarray
+    error: float  # mean squared distance to the assigned centroid
+    level: CoarseLevel | None
+
+    @classmethod
+    def run(cls, data: BuildData, centroids: np.ndarray, seed: int) -> Assigned:
+        level = _coarse_level(data, centroids, seed)
+        results = data.map(_assign, centroids, level)
+        counts = np.sum([c for c, _ in results], axis=0)
+        return cls(counts, sum(o for _, o in results) / max(1, int(counts.sum())), level)
+
+
+def _train(data: BuildData, nlist: int, opts: BuildOptions, stats: dict[str, Any]) -> np.ndarray:
+    """Flat k-means over all data for few lists; for many, two-level on a sample, then
+    ``opts.refine`` Lloyd steps over all data through a coarse level."""
+    if nlist < TWO_LEVEL_MIN_K:
+        result = train_kmeans(data, nlist, opts.iterations, seed=opts.seed, progress=opts.progress)
+        stats.update(kmeans="flat", kmeans_iterations=result.iterations, kmeans_seconds=round(result.seconds, 3))
+        return result.centroids
+    t = time.perf_counter()
+    result = train_two_level(
+        data, nlist, opts.iterations, seed=opts.seed, progress=opts.progress, sample_per_list=opts.sample_per_list
+    )
+    centroids = result.centroids
+    for _ in tqdm(range(opts.refine), desc="k-means refine", disable=not opts.progress, leave=False):
+        step: PartialSums = reduce(add, data.map(_partial, centroids, _coarse_level(data, centroids, opts.seed)))
+        nonempty = step.counts > 0
+        centroids[nonempty] = (step.sums[nonempty] / step.counts[nonempty, None]).astype(np.float32)
+    stats.update(
+        kmeans="two-level",
+        kmeans_sample=int(min(data.count(), max(nlist, opts.sample_per_list * nlist))),
+        kmeans_refine=opts.refine,
+        kmeans_iterations=result.iterations,
+        kmeans_seconds=round(time.perf_counter() - t, 3),
+    )
+    return centroids
+
+
 def _centroids(
-    data: RayData, snap: Snapshot, store: ObjectStore, opts: BuildOptions
-) -> tuple[np.ndarray, dict[str, Any]]:
-    """Reuse the previous build's centroids while they still fit, else train new ones."""
+    data: BuildData, snap: Snapshot, store: ObjectStore, opts: BuildOptions
+) -> tuple[np.ndarray, dict[str, Any], Assigned | None]:
+    """Reuse the previous build's centroids while they still fit (with the assignment that
+    measured their fit), else train new ones."""
     stats: dict[str, Any] = {}
     if opts.reuse_centroids:
         try:
@@ -180,12 +271,11 @@ def _centroids(
             if prev.model != snap.model:
                 stats["retrained_reason"] = f"model changed from {prev.model}"
             else:
-                centroids = np.load(io.BytesIO(get_verified(store, prev.centroids)))
+                centroids = np.load(io.BytesIO(get_verified(store, prev.centroids))).astype(np.float32)
                 if opts.nlist is None or opts.nlist == len(centroids):
-                    part = data.assign_partial(centroids)
-                    error = part.objective / max(1, snap.count)
-                    trained = float(prev.stats.get("trained_quantization_error", error))
-                    drift = (error - trained) / trained if trained > 0 else 0.0
+                    assigned = Assigned.run(data, centroids, opts.seed)
+                    trained = float(prev.stats.get("trained_quantization_error", assigned.error))
+                    drift = (assigned.error - trained) / trained if trained > 0 else 0.0
                     stats.update(
                         reused_from_version=prev.version,
                         drift=round(drift, 4),
@@ -194,50 +284,58 @@ def _centroids(
                         trained_at_lake_version=prev.stats.get("trained_at_lake_version"),
                     )
                     if drift <= opts.drift_threshold:
-                        return centroids.astype(np.float32), stats
+                        return centroids, stats, assigned
                     stats["retrained_reason"] = f"quantization error drifted {drift:.1%} > {opts.drift_threshold:.0%}"
                 else:
                     stats["retrained_reason"] = f"nlist changed from {len(centroids)}"
         log.info("retraining centroids: %s", stats["retrained_reason"])
-    nlist = opts.nlist or choose_nlist(snap.count)
-    result: KMeansResult = train_kmeans(data, nlist, opts.iterations, seed=opts.seed, progress=opts.progress)
-    stats.update(
-        trained_quantization_error=result.objective / snap.count,
-        trained_imbalance=result.imbalance,
-        trained_at_lake_version=snap.version,
-        kmeans_objective=result.objective,
-        kmeans_iterations=result.iterations,
-        kmeans_seconds=round(result.seconds, 3),
-    )
-    return result.centroids, stats
+    centroids = _train(data, opts.nlist or choose_nlist(snap.count), opts, stats)
+    stats["trained_at_lake_version"] = snap.version
+    return centroids, stats, None
 
 
 def build_index(
     snap: Snapshot, store_uri: str, settings: ObjectStoreSettings, opts: BuildOptions = BuildOptions()
 ) -> Manifest:
-    """Build and write every file of a new index version; return its (unpublished) manifest."""
-    import ray
+    """Build and write every file of a new index version; return its (unpublished) manifest.
 
+    A Ray build needs Ray started (``indexing.distributed.start_ray``); a local one does not."""
     timings: dict[str, float] = {}
     t = time.perf_counter()
     store = open_store(store_uri, settings)
-    resources: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
-    n_parts = opts.partitions or max(1, int(resources.get("CPU", 1)))
-    parts = snap.partitions(n_parts)
-    data = RayData([partial(load_partition, snap.lake, snap.version, p) for p in parts])
+    executor = choose_executor(opts.executor, snap.count, snap.dim)
+    data: BuildData
+    if executor == "ray":
+        import ray
+
+        resources: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
+        parts = snap.partitions(opts.partitions or max(1, int(resources.get("CPU", 1))))
+        loaders = [partial(load_partition, snap.lake, snap.version, p) for p in parts]
+        data = RayData(loaders)
+    else:
+        parts = snap.partitions(opts.partitions or max(1, os.cpu_count() or 1))
+        loaders = [partial(load_partition, snap.lake, snap.version, p) for p in parts]
+        data = LocalPartitions(loaders)
     try:
         if data.count() != snap.count:
             raise BuildError(f"read {data.count()} vectors but the snapshot has {snap.count}.")
         timings["load_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        centroids, stats = _centroids(data, snap, store, opts)
+        centroids, stats, assigned = _centroids(data, snap, store, opts)
         timings["centroids_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        assigned = data.map(_assign, centroids)
-        counts = np.sum([c for c, _ in assigned], axis=0)
-        error = sum(o for _, o in assigned) / snap.count
+        if assigned is None:
+            assigned = Assigned.run(data, centroids, opts.seed)
+            stats.update(
+                trained_quantization_error=assigned.error,
+                trained_imbalance=_imbalance(assigned.counts),
+                kmeans_objective=assigned.error * snap.count,
+            )
+        counts, error = assigned.counts, assigned.error
+        if assigned.level is not None:
+            stats.update(assign_probe=assigned.level.probe, assign_agreement=round(assigned.level.agreement, 4))
         ranges = plan_shards(counts, snap.dim, opts.shard_bytes)
         timings["assign_s"] = time.perf_counter() - t
 
@@ -254,32 +352,26 @@ def build_index(
                 opts.codec, np.min([b[0] for b in bounds], axis=0), np.max([b[1] for b in bounds], axis=0)
             )
             codec = Codec(opts.codec, trained, put_file(store, f"{prefix}/codec.npz", save_codec(opts.codec, trained)))
-        per_part = data.map(_blocks, ranges)  # [partition][shard] → Ray object refs
-        task = ray.remote(build_shard)
-        futures = [
-            task.remote(store_uri, settings, prefix, start, end, len(centroids), snap.dim, codec,
-                        *[blocks[i] for blocks in per_part])
+        per_part = data.map(_blocks, ranges, data.remote)  # [partition][shard] → blocks (Ray refs on Ray)
+        calls = [
+            (store_uri, settings, prefix, start, end, len(centroids), snap.dim, codec,
+             *[blocks[i] for blocks in per_part])
             for i, (start, end) in enumerate(ranges)
         ]  # fmt: skip
-        with tqdm(total=len(futures), desc="shards", disable=not opts.progress, leave=False) as bar:
-            pending = list(futures)
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                bar.update(len(done))
-            shards: list[ShardRef] = list(ray.get(futures))
+        del per_part
+        shards: list[ShardRef] = data.run(build_shard, calls, "shards", opts.progress)
         timings["shards_s"] = time.perf_counter() - t
     finally:
         data.close()
 
-    nonempty = counts[counts > 0]
-    imbalance = float(len(counts) * np.square(counts.astype(np.float64)).sum() / float(counts.sum()) ** 2)
     stats.update(
         quantization_error=error,
-        imbalance=imbalance,
-        empty_lists=int(len(counts) - len(nonempty)),
+        imbalance=_imbalance(counts),
+        empty_lists=int(np.sum(counts == 0)),
         largest_list=int(counts.max()),
         timings={k: round(v, 3) for k, v in timings.items()},
         partitions=len(parts),
+        executor=executor,
     )
     return Manifest(
         version=0,

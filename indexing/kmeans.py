@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,13 +69,14 @@ def nearest(vectors: Matrix, centroids: Matrix) -> tuple[npt.NDArray[np.float32]
     return dist[:, 0], idx[:, 0]
 
 
-def partial_sums(vectors: Matrix, centroids: Matrix) -> PartialSums:
+def partial_sums(vectors: Matrix, centroids: Matrix, level: CoarseLevel | None = None) -> PartialSums:
+    """One Lloyd step's sums for ``vectors``: assigned exactly, or through ``level``."""
     k, d = centroids.shape
     sums = np.zeros((k, d), dtype=np.float64)
     counts = np.zeros(k, dtype=np.int64)
     if len(vectors) == 0:
         return PartialSums(sums, counts, 0.0)
-    dist, idx = nearest(vectors, centroids)
+    dist, idx = assign(vectors, centroids, level)
     # One-hot (k x n) sparse matrix times the vectors: a BLAS-speed scatter-add in float64
     # (np.add.at is ~20x slower, and float32 accumulation loses precision on big lists).
     onehot = scipy.sparse.csr_matrix(
@@ -223,3 +225,148 @@ def train_kmeans(
     return KMeansResult(
         centroids, final.objective, done, [*history, final.objective], final.counts, time.perf_counter() - started
     )
+
+
+# -- two levels: k-means and assignment for many lists ---------------------------------
+
+#: from this many lists on, builds train two-level k-means and assign through a coarse level
+#: (LanceDB goes hierarchical above 256 too; below it, flat k-means costs little)
+TWO_LEVEL_MIN_K = 256
+#: training points per list for two-level k-means (faiss warns below 39 per centroid)
+SAMPLE_PER_LIST = 64
+#: the coarse-level assignment must agree with exact nearest-centroid assignment on at least
+#: this fraction of a check sample; the probe widens until it does (or becomes exhaustive)
+MIN_AGREEMENT = 0.995
+#: vectors assigned per block (bounds the gathered copies: block × probe × dim floats)
+ASSIGN_BLOCK = 65_536
+
+
+def quotas(sizes: npt.NDArray[np.int64], k: int) -> npt.NDArray[np.int64]:
+    """k fine clusters shared among coarse cells by population (largest remainder): each
+    non-empty cell gets at least 1 and at most its size."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if k > int(sizes.sum()):
+        raise KMeansError(f"{int(sizes.sum())} points cannot make {k} clusters.")
+    exact = sizes / max(1, int(sizes.sum())) * k
+    out = np.minimum(np.maximum(np.floor(exact).astype(np.int64), (sizes > 0).astype(np.int64)), sizes)
+    while (gap := k - int(out.sum())) != 0:
+        if gap > 0:  # give to the cells furthest below their share that still have points
+            room = np.where(out < sizes, exact - out, -np.inf)
+            out[int(np.argmax(room))] += 1
+        else:  # take from the cells furthest above their share that keep at least 1
+            excess = np.where(out > 1, out - exact, -np.inf)
+            out[int(np.argmax(excess))] -= 1
+    return out
+
+
+def train_two_level(
+    data: KMeansData,
+    k: int,
+    iterations: int = 25,
+    seed: int = 1234,
+    progress: bool = True,
+    sample_per_list: int = SAMPLE_PER_LIST,
+) -> KMeansResult:
+    """Hierarchical k-means on a bounded sample: √k coarse clusters, then each split into a
+    population-sized share of the k lists.
+
+    One sample of at most ``sample_per_list`` × k points is drawn (one read of each data
+    share); the coarse level costs S·√k and the fine level about S·k/√k distances per
+    iteration, against N·k for flat k-means over all N points. The returned objective is the
+    sample's; builds measure the objective over all data when they assign.
+    """
+    n = data.count()
+    if k < 1:
+        raise KMeansError("k must be at least 1.")
+    if n < k:
+        raise KMeansError(f"{n} vectors cannot make {k} clusters; lower --nlist.")
+    started = time.perf_counter()
+    sample = np.ascontiguousarray(data.sample(min(n, max(k, sample_per_list * k)), seed), dtype=np.float32)
+    k1 = max(1, min(k, round(math.sqrt(k))))
+    coarse = train_kmeans(LocalData(sample), k1, iterations, seed=seed, progress=False)
+    _, cell = nearest(sample, coarse.centroids)
+    share = quotas(np.bincount(cell, minlength=k1), k)
+    fine: list[Matrix] = []
+    objective = 0.0
+    rounds = 0
+    for c in tqdm(range(k1), desc=f"k-means k={k} (two-level)", disable=not progress, leave=False):
+        if share[c] == 0:
+            continue
+        members = LocalData(sample[cell == c])
+        result = train_kmeans(members, int(share[c]), iterations, seed=seed + 1 + c, progress=False)
+        fine.append(result.centroids)
+        objective += result.objective
+        rounds = max(rounds, result.iterations)
+    centroids = np.ascontiguousarray(np.concatenate(fine), dtype=np.float32)
+    counts = partial_sums(sample, centroids).counts
+    return KMeansResult(centroids, objective, rounds, [objective], counts, time.perf_counter() - started)
+
+
+@dataclass
+class CoarseLevel:
+    """Centroids grouped into about √k cells by k-means over the centroids themselves.
+
+    A vector's list is the nearest centroid among those of its ``probe`` nearest cells:
+    N·(√k + probe·k/√k) distances instead of N·k. ``fit`` widens the probe until the
+    result agrees with exact assignment on a check sample (``MIN_AGREEMENT``).
+    """
+
+    centroids: Matrix
+    coarse: Matrix
+    cells: list[npt.NDArray[np.int64]]
+    probe: int = 1
+    agreement: float = 1.0
+
+    @classmethod
+    def fit(
+        cls, centroids: Matrix, check: Matrix, seed: int = 0, min_agreement: float = MIN_AGREEMENT
+    ) -> CoarseLevel:
+        centroids = np.ascontiguousarray(centroids, dtype=np.float32)
+        k1 = max(1, round(math.sqrt(len(centroids))))
+        grouping = train_kmeans(LocalData(centroids), k1, iterations=10, seed=seed, progress=False)
+        _, cell = nearest(centroids, grouping.centroids)
+        cells = [np.flatnonzero(cell == c) for c in range(k1)]
+        keep = [c for c in range(k1) if len(cells[c])]
+        level = cls(centroids, grouping.centroids[keep], [cells[c] for c in keep])
+        if len(check) == 0:
+            level.probe = len(level.cells)
+            return level
+        exact = nearest(check, centroids)[1]
+        level.probe = min(2, len(level.cells))
+        while True:
+            level.agreement = float(np.mean(level.search(check)[1] == exact))
+            if level.agreement >= min_agreement or level.probe >= len(level.cells):
+                return level
+            level.probe = min(2 * level.probe, len(level.cells))
+
+    def search(self, vectors: Matrix) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+        """(squared distance, index) of each vector's assigned centroid."""
+        n = len(vectors)
+        best_d = np.full(n, np.inf, dtype=np.float32)
+        best_i = np.full(n, -1, dtype=np.int64)
+        coarse: Any = faiss.IndexFlatL2(self.coarse.shape[1])
+        coarse.add(self.coarse)
+        for lo in range(0, n, ASSIGN_BLOCK):
+            block = np.ascontiguousarray(vectors[lo : lo + ASSIGN_BLOCK], dtype=np.float32)
+            _, probed = coarse.search(block, self.probe)
+            order = np.argsort(probed, axis=None, kind="stable")  # (row, cell) pairs grouped by cell
+            rows_of = order // self.probe
+            cell_ids = probed.ravel()[order]
+            bounds = np.searchsorted(cell_ids, np.arange(len(self.cells) + 1))
+            for c, members in enumerate(self.cells):
+                rows = rows_of[bounds[c] : bounds[c + 1]]
+                if len(rows) == 0:
+                    continue
+                d, i = nearest(block[rows], self.centroids[members])
+                target = rows + lo
+                better = d < best_d[target]
+                best_d[target[better]] = d[better]
+                best_i[target[better]] = members[i[better]]
+        return best_d, best_i
+
+
+def assign(
+    vectors: Matrix, centroids: Matrix, level: CoarseLevel | None = None
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+    """Each vector's list: through ``level`` when given, else exact."""
+    return level.search(vectors) if level is not None else nearest(vectors, centroids)

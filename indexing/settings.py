@@ -15,7 +15,10 @@ class IndexBuildSettings(BaseSettings):
     index: str = Field(description="the index store: path, file:// or s3://")
     nlist: int | None = Field(None, ge=1, description="IVF lists (default about 4*sqrt(N))")
     lake_version: int | None = Field(None, ge=0, description="Delta version to index (default latest)")
-    ray_address: str | None = Field(None, description="join a Ray cluster (default: local Ray)")
+    ray_address: str | None = Field(None, description="join a Ray cluster (implies executor ray)")
+    executor: str = Field(
+        "auto", pattern=r"^(auto|local|ray)$", description="in-process below 1 GiB of vectors (auto), local or ray"
+    )
     iterations: int = Field(20, ge=1, description="k-means iterations at most")
     seed: int = 1234
     shard_mb: float = Field(64.0, gt=0, description="target shard size in MB")
