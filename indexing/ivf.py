@@ -207,11 +207,22 @@ def _imbalance(counts: np.ndarray) -> float:
     return float(len(counts) * np.square(counts.astype(np.float64)).sum() / float(counts.sum()) ** 2)
 
 
-def _coarse_level(data: BuildData, centroids: np.ndarray, seed: int) -> CoarseLevel | None:
-    """A coarse level over many centroids (probe chosen on a sample of the data), else None."""
+def _coarse_level(
+    data: BuildData, centroids: np.ndarray, seed: int, stats: dict[str, Any] | None = None
+) -> CoarseLevel | None:
+    """A coarse level over many centroids when, on a sample of the data, it agrees with exact
+    assignment (``MIN_AGREEMENT``) and takes less time; else None (exact assignment)."""
     if len(centroids) < TWO_LEVEL_MIN_K:
         return None
-    return CoarseLevel.fit(centroids, data.sample(CHECK_SAMPLE, seed + 1), seed=seed)
+    level = CoarseLevel.fit(centroids, data.sample(CHECK_SAMPLE, seed + 1), seed=seed)
+    if stats is not None:
+        stats.update(
+            assign="coarse-level" if level.faster else "exact",
+            assign_probe=level.probe,
+            assign_agreement=round(level.agreement, 4),
+            assign_check_ms={"exact": round(level.exact_s * 1000, 1), "coarse_level": round(level.level_s * 1000, 1)},
+        )
+    return level if level.faster else None
 
 
 @dataclass
@@ -223,8 +234,8 @@ class Assigned:
     level: CoarseLevel | None
 
     @classmethod
-    def run(cls, data: BuildData, centroids: np.ndarray, seed: int) -> Assigned:
-        level = _coarse_level(data, centroids, seed)
+    def run(cls, data: BuildData, centroids: np.ndarray, seed: int, stats: dict[str, Any]) -> Assigned:
+        level = _coarse_level(data, centroids, seed, stats)
         results = data.map(_assign, centroids, level)
         counts = np.sum([c for c, _ in results], axis=0)
         return cls(counts, sum(o for _, o in results) / max(1, int(counts.sum())), level)
@@ -273,7 +284,7 @@ def _centroids(
             else:
                 centroids = np.load(io.BytesIO(get_verified(store, prev.centroids))).astype(np.float32)
                 if opts.nlist is None or opts.nlist == len(centroids):
-                    assigned = Assigned.run(data, centroids, opts.seed)
+                    assigned = Assigned.run(data, centroids, opts.seed, stats)
                     trained = float(prev.stats.get("trained_quantization_error", assigned.error))
                     drift = (assigned.error - trained) / trained if trained > 0 else 0.0
                     stats.update(
@@ -327,15 +338,13 @@ def build_index(
 
         t = time.perf_counter()
         if assigned is None:
-            assigned = Assigned.run(data, centroids, opts.seed)
+            assigned = Assigned.run(data, centroids, opts.seed, stats)
             stats.update(
                 trained_quantization_error=assigned.error,
                 trained_imbalance=_imbalance(assigned.counts),
                 kmeans_objective=assigned.error * snap.count,
             )
         counts, error = assigned.counts, assigned.error
-        if assigned.level is not None:
-            stats.update(assign_probe=assigned.level.probe, assign_agreement=round(assigned.level.agreement, 4))
         ranges = plan_shards(counts, snap.dim, opts.shard_bytes)
         timings["assign_s"] = time.perf_counter() - t
 
