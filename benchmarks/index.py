@@ -15,7 +15,9 @@ Sections
 - kmeans: distributed k-means on local Ray (the builder's code path) vs single-process
   ``faiss.Kmeans`` at the same nlist and iterations: wall time, peak RSS of all processes,
   objective ratio. Targets: <= 1.3x time, objective within 1%.
-- recall: the IVF shards built from those centroids, searched through ``IndexReader``
+- recall: the build's two-level k-means against that flat k-means (objective over all
+  vectors; recall@10 of an IVF index on each, default nprobe marked; target: within 0.01),
+  and the IVF shards built from the flat centroids, searched through ``IndexReader``
   (the retrieval path: coarse search + ``search_preassigned`` per shard): recall@10 vs
   exact flat search and queries/s at nprobe 4/8/16/32, vs a single faiss IndexIVFFlat on
   the same centroids.
@@ -44,8 +46,8 @@ import psutil
 import pyarrow as pa
 
 from benchmarks.pydocs import EmbeddedCorpus, embedded_pydocs
-from indexing.distributed import RayData, start_ray
-from indexing.ivf import BuildOptions, build_index, build_shard, choose_nlist, plan_shards
+from indexing.distributed import LocalPartitions, RayData, start_ray
+from indexing.ivf import BuildOptions, build_index, build_shard, choose_nlist, plan_shards, train_centroids
 from indexing.kmeans import nearest, partial_sums, train_kmeans
 from indexing.manifest import Manifest, publish, put_file
 from indexing.reader import IndexReader
@@ -55,6 +57,7 @@ from pipelines.lake import CHUNKS, Lake, current_chunks, embeddings
 from pipelines.lake_writer import LakeWriter
 from pipelines.storage import ObjectStoreSettings
 from retrieval.corpus import load_pydocs, section_titles
+from retrieval.engine import default_nprobe
 from tests.indexing.lakes import chunk_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,7 +162,8 @@ def bench_build(x: np.ndarray, nlist: int, iters: int, work: Path, executors: li
         emit(bench="index_build", n=len(vectors), dim=vectors.shape[1], nlist=nlist, iterations=iters,
              executor=executor, partitions=st["partitions"], shards=len(manifest.shards), build_s=round(ours, 2),
              faiss_s=round(base, 2), speedup=round(base / ours, 2), stages=st["timings"],
-             kmeans=st.get("kmeans"), kmeans_sample=st.get("kmeans_sample"), assign_probe=st.get("assign_probe"),
+             kmeans=st.get("kmeans"), kmeans_sample=st.get("kmeans_sample"), assign=st.get("assign"),
+             assign_probe=st.get("assign_probe"),
              assign_agreement=st.get("assign_agreement"), harness_rss_mb=round(harness / 2**20),
              build_peak_rss_mb=round(ours_mem.peak / 2**20), faiss_peak_rss_mb=round(ref_mem.peak / 2**20),
              objective_ratio=round(st["kmeans_objective"] / ref_obj, 4),
@@ -200,7 +204,7 @@ def bench_recall(x: np.ndarray, centroids: np.ndarray, queries: np.ndarray, work
     for start, end in ranges:
         sel = np.flatnonzero((labels >= start) & (labels < end))
         shards.append(build_shard(store.root, ObjectStoreSettings(), "builds/bench", start, end, len(centroids),
-                                  x.shape[1], (x[sel], labels[sel], rows.take(pa.array(sel)))))  # fmt: skip
+                                  x.shape[1], None, (x[sel], labels[sel], rows.take(pa.array(sel)))))  # fmt: skip
     publish(store, Manifest(0, "bench", "", "synthetic", 0, "synthetic", x.shape[1], "l2", len(centroids), len(x),
                             cref, shards))  # fmt: skip
     reader = IndexReader(store)
@@ -230,6 +234,47 @@ def bench_recall(x: np.ndarray, centroids: np.ndarray, queries: np.ndarray, work
              recall_at_10=round(ours_recall, 4), qps=round(len(queries) / ours, 1),
              faiss_recall_at_10=round(ref_recall, 4), faiss_qps=round(len(queries) / base, 1),
              overhead=round(ours / base, 2))  # fmt: skip
+
+
+def bench_two_level(x: np.ndarray, flat: np.ndarray, queries: np.ndarray, iters: int, nprobes: list[int]) -> None:
+    """The build's two-level k-means (bounded sample + refinement) against flat k-means over
+    all vectors (``flat``): objective over all vectors, and recall@10 of an IVF index on
+    each set of centroids at each nprobe (both assign exactly; the service's default nprobe
+    is marked)."""
+    exact = faiss.IndexFlatL2(x.shape[1])
+    exact.add(x)
+    _, truth = exact.search(queries, 10)
+
+    quantizers = []  # the IVF indexes borrow them
+
+    def ivf_on(c: np.ndarray) -> faiss.IndexIVFFlat:
+        quantizers.append(faiss.IndexFlatL2(x.shape[1]))
+        quantizers[-1].add(c)
+        ivf = faiss.IndexIVFFlat(quantizers[-1], x.shape[1], len(c))
+        ivf.is_trained = True
+        ivf.add(x)
+        return ivf
+
+    reference = ivf_on(flat)
+    flat_objective = partial_sums(x, flat).objective
+    for refine in (0, 1):
+        stats: dict[str, object] = {}
+        t0 = time.perf_counter()
+        opts = BuildOptions(len(flat), iters, progress=False, refine=refine)
+        two = train_centroids(LocalPartitions([lambda: x]), len(flat), opts, stats)
+        seconds = time.perf_counter() - t0
+        ours = ivf_on(two)
+        objective_ratio = partial_sums(x, two).objective / flat_objective
+        for nprobe in nprobes:
+            got = {}
+            for name, ivf in (("two", ours), ("flat", reference)):
+                ivf.nprobe = nprobe
+                got[name] = recall(ivf.search(queries, 10)[1].tolist(), truth)
+            emit(bench="two_level_recall", n=len(x), nlist=len(flat), refine=refine, nprobe=nprobe,
+                 default_nprobe=nprobe == default_nprobe(len(flat)), recall_at_10=round(got["two"], 4),
+                 flat_kmeans_recall_at_10=round(got["flat"], 4), recall_delta=round(got["two"] - got["flat"], 4),
+                 objective_ratio=round(objective_ratio, 4), two_level_train_s=round(seconds, 2),
+                 kmeans_sample=stats.get("kmeans_sample"), target="recall within 0.01 of flat k-means")  # fmt: skip
 
 
 def bench_gpu(n: int, d: int, nlist: int, iters: int) -> None:
@@ -315,6 +360,8 @@ def main() -> None:
                 centroids = bench_kmeans(x, nlist, args.iterations, args.partitions)
                 if "recall" in sections:
                     bench_recall(x, centroids, queries, work, args.nprobe)
+                    nprobes = sorted({*args.nprobe, default_nprobe(nlist)})
+                    bench_two_level(x, centroids, queries, args.iterations, nprobes)
             if "peer" in sections:
                 bench_peer(x, queries, nlist, args.iterations, args.peer_python, work)
         if "gpu" in sections:

@@ -169,7 +169,8 @@ class LocalPartitions:
     remote = False
 
     def __init__(self, loaders: Sequence[Loader]) -> None:
-        self.parts = [loader() for loader in loaders]
+        with ThreadPoolExecutor(max(1, min(len(loaders), os.cpu_count() or 1))) as pool:
+            self.parts = list(pool.map(lambda load: load(), loaders))  # lake reads overlap (Arrow releases the GIL)
         self.vectors = [
             np.ascontiguousarray(p.vectors if hasattr(p, "vectors") else p, dtype=np.float32) for p in self.parts
         ]

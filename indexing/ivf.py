@@ -9,9 +9,11 @@ object storage → the manifest is published last.
 One code path, two executors (``indexing.distributed``): Ray actors and tasks, or this
 process and a thread pool for builds too small to repay Ray's start-up.
 
-Many lists (``TWO_LEVEL_MIN_K`` and up) train two-level k-means on a bounded sample, refine
-it over all data, and assign through a coarse level over the centroids whose agreement
-with exact assignment is measured on a sample and recorded (``stats``).
+Many lists (``TWO_LEVEL_MIN_K`` and up) train two-level k-means on a bounded sample and refine
+it on that sample, so each partition is read once for the sample and once for the
+assignment. Assignment goes through a coarse level over the centroids where, on a sample,
+it agrees with exact assignment and is faster; the choice and its measurements are recorded
+in the manifest's ``stats``.
 """
 
 from __future__ import annotations
@@ -25,24 +27,20 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from functools import partial, reduce
-from operator import add
+from functools import partial
 from typing import Any
 
 import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm import tqdm
 
 from indexing.distributed import LocalPartitions, RayData, choose_executor
 from indexing.kmeans import (
     SAMPLE_PER_LIST,
     TWO_LEVEL_MIN_K,
     CoarseLevel,
-    PartialSums,
     assign,
-    partial_sums,
     train_kmeans,
     train_two_level,
 )
@@ -85,7 +83,7 @@ class BuildOptions:
     codec: str = "flat"
     #: "auto" (in-process below ``LOCAL_MAX_BYTES`` of vectors, else Ray), "local" or "ray"
     executor: str = "auto"
-    #: two-level k-means: training points per list, then Lloyd steps over all data
+    #: two-level k-means: training points per list, then Lloyd steps over that sample with all lists
     sample_per_list: int = SAMPLE_PER_LIST
     refine: int = 1
 
@@ -123,10 +121,6 @@ def _assign(part: Partition, centroids: np.ndarray, level: CoarseLevel | None) -
     dist, labels = assign(part.vectors, centroids, level)
     part.labels = labels
     return np.bincount(labels, minlength=len(centroids)), float(dist.astype(np.float64).sum())
-
-
-def _partial(part: Partition, centroids: np.ndarray, level: CoarseLevel | None) -> PartialSums:
-    return partial_sums(part.vectors, centroids, level)
 
 
 def _bounds(part: Partition) -> tuple[np.ndarray, np.ndarray]:
@@ -241,30 +235,24 @@ class Assigned:
         return cls(counts, sum(o for _, o in results) / max(1, int(counts.sum())), level)
 
 
-def _train(data: BuildData, nlist: int, opts: BuildOptions, stats: dict[str, Any]) -> np.ndarray:
-    """Flat k-means over all data for few lists; for many, two-level on a sample, then
-    ``opts.refine`` Lloyd steps over all data through a coarse level."""
+def train_centroids(data: BuildData, nlist: int, opts: BuildOptions, stats: dict[str, Any]) -> np.ndarray:
+    """Flat k-means over all data for few lists; for many, two-level on a bounded sample
+    (so each partition is read once for the sample and once for the assignment)."""
     if nlist < TWO_LEVEL_MIN_K:
         result = train_kmeans(data, nlist, opts.iterations, seed=opts.seed, progress=opts.progress)
         stats.update(kmeans="flat", kmeans_iterations=result.iterations, kmeans_seconds=round(result.seconds, 3))
         return result.centroids
-    t = time.perf_counter()
     result = train_two_level(
-        data, nlist, opts.iterations, seed=opts.seed, progress=opts.progress, sample_per_list=opts.sample_per_list
+        data, nlist, opts.iterations, opts.seed, opts.progress, sample_per_list=opts.sample_per_list, refine=opts.refine
     )
-    centroids = result.centroids
-    for _ in tqdm(range(opts.refine), desc="k-means refine", disable=not opts.progress, leave=False):
-        step: PartialSums = reduce(add, data.map(_partial, centroids, _coarse_level(data, centroids, opts.seed)))
-        nonempty = step.counts > 0
-        centroids[nonempty] = (step.sums[nonempty] / step.counts[nonempty, None]).astype(np.float32)
     stats.update(
         kmeans="two-level",
         kmeans_sample=int(min(data.count(), max(nlist, opts.sample_per_list * nlist))),
         kmeans_refine=opts.refine,
         kmeans_iterations=result.iterations,
-        kmeans_seconds=round(time.perf_counter() - t, 3),
+        kmeans_seconds=round(result.seconds, 3),
     )
-    return centroids
+    return result.centroids
 
 
 def _centroids(
@@ -300,7 +288,7 @@ def _centroids(
                 else:
                     stats["retrained_reason"] = f"nlist changed from {len(centroids)}"
         log.info("retraining centroids: %s", stats["retrained_reason"])
-    centroids = _train(data, opts.nlist or choose_nlist(snap.count), opts, stats)
+    centroids = train_centroids(data, opts.nlist or choose_nlist(snap.count), opts, stats)
     stats["trained_at_lake_version"] = snap.version
     return centroids, stats, None
 

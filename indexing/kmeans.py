@@ -72,14 +72,13 @@ def nearest(vectors: Matrix, centroids: Matrix) -> tuple[npt.NDArray[np.float32]
     return dist[:, 0], idx[:, 0]
 
 
-def partial_sums(vectors: Matrix, centroids: Matrix, level: CoarseLevel | None = None) -> PartialSums:
-    """One Lloyd step's sums for ``vectors``: assigned exactly, or through ``level``."""
+def partial_sums(vectors: Matrix, centroids: Matrix) -> PartialSums:
     k, d = centroids.shape
     sums = np.zeros((k, d), dtype=np.float64)
     counts = np.zeros(k, dtype=np.int64)
     if len(vectors) == 0:
         return PartialSums(sums, counts, 0.0)
-    dist, idx = assign(vectors, centroids, level)
+    dist, idx = nearest(vectors, centroids)
     # One-hot (k x n) sparse matrix times the vectors: a BLAS-speed scatter-add in float64
     # (np.add.at is ~20x slower, and float32 accumulation loses precision on big lists).
     onehot = scipy.sparse.csr_matrix(
@@ -271,14 +270,17 @@ def train_two_level(
     seed: int = 1234,
     progress: bool = True,
     sample_per_list: int = SAMPLE_PER_LIST,
+    refine: int = 1,
 ) -> KMeansResult:
     """Hierarchical k-means on a bounded sample: √k coarse clusters, then each split into a
-    population-sized share of the k lists.
+    population-sized share of the k lists, then ``refine`` Lloyd steps over the sample with
+    all k lists (a fine cluster may then cross its coarse cell's boundary).
 
     One sample of at most ``sample_per_list`` × k points is drawn (one read of each data
     share); the coarse level costs S·√k and the fine level about S·k/√k distances per
-    iteration, against N·k for flat k-means over all N points. The returned objective is the
-    sample's; builds measure the objective over all data when they assign.
+    iteration, against N·k for flat k-means over all N points; each refinement step costs
+    S·k. The returned objective is the sample's; builds measure the objective over all data
+    when they assign.
     """
     n = data.count()
     if k < 1:
@@ -309,11 +311,16 @@ def train_two_level(
         for result in pool.map(split, [c for c in range(k1) if share[c] > 0]):
             results.append(result)
             bar.update(1)
-    objective = sum(r.objective for r in results)
+    history = [sum(r.objective for r in results)]
     rounds = max(r.iterations for r in results)
     centroids = np.ascontiguousarray(np.concatenate([r.centroids for r in results]), dtype=np.float32)
-    counts = partial_sums(sample, centroids).counts
-    return KMeansResult(centroids, objective, rounds, [objective], counts, time.perf_counter() - started)
+    step = partial_sums(sample, centroids)
+    for _ in range(refine):
+        nonempty = step.counts > 0
+        centroids[nonempty] = (step.sums[nonempty] / step.counts[nonempty, None]).astype(np.float32)
+        step = partial_sums(sample, centroids)
+        history.append(step.objective)
+    return KMeansResult(centroids, step.objective, rounds, history, step.counts, time.perf_counter() - started)
 
 
 @dataclass
@@ -376,8 +383,7 @@ class CoarseLevel:
             _, probed = coarse.search(block, self.probe)
             order = np.argsort(probed, axis=None, kind="stable")  # (row, cell) pairs grouped by cell
             rows_of = order // self.probe
-            cell_ids = probed.ravel()[order]
-            bounds = np.searchsorted(cell_ids, np.arange(len(self.cells) + 1))
+            bounds = np.searchsorted(probed.ravel()[order], np.arange(len(self.cells) + 1))
             for c, members in enumerate(self.cells):
                 rows = rows_of[bounds[c] : bounds[c + 1]]
                 if len(rows) == 0:
