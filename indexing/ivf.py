@@ -236,9 +236,13 @@ class Assigned:
 
 
 def train_centroids(data: BuildData, nlist: int, opts: BuildOptions, stats: dict[str, Any]) -> np.ndarray:
-    """Flat k-means over all data for few lists; for many, two-level on a bounded sample
-    (so each partition is read once for the sample and once for the assignment)."""
-    if nlist < TWO_LEVEL_MIN_K:
+    """Flat k-means over all data for few lists, or when a bounded sample would be all of
+    it; else two-level on that sample (each partition is then read once for the sample and
+    once for the assignment).
+
+    On the Python docs (40k, 802 lists: the sample would be everything) flat k-means gave
+    recall@10 0.954 at the default nprobe against 0.951 for two-level, in less time."""
+    if nlist < TWO_LEVEL_MIN_K or data.count() <= opts.sample_per_list * nlist:
         result = train_kmeans(data, nlist, opts.iterations, seed=opts.seed, progress=opts.progress)
         stats.update(kmeans="flat", kmeans_iterations=result.iterations, kmeans_seconds=round(result.seconds, 3))
         return result.centroids

@@ -294,9 +294,9 @@ def test_both_executors_build_the_same_index(tmp_path: Path, ray_local: None) ->
 def test_many_lists_train_two_level_and_assign_through_a_measured_coarse_level(tmp_path: Path) -> None:
     lake, x = synthetic_lake(str(tmp_path / "lake"), n=8000)
     store = LocalStore(str(tmp_path / "index"))
-    manifest = build_index(plan(lake), store.root, NONE, dataclasses.replace(OPTS, nlist=300))
+    manifest = build_index(plan(lake), store.root, NONE, dataclasses.replace(OPTS, nlist=300, sample_per_list=16))
     stats = manifest.stats
-    assert stats["kmeans"] == "two-level" and stats["kmeans_sample"] == 8000 and stats["kmeans_refine"] == 1
+    assert stats["kmeans"] == "two-level" and stats["kmeans_sample"] == 4800 and stats["kmeans_refine"] == 1
     assert stats["assign_agreement"] >= 0.995 and stats["assign_probe"] >= 1
     assert stats["kmeans_objective"] == pytest.approx(stats["quantization_error"] * len(x))
     publish(store, manifest)
@@ -313,3 +313,10 @@ def test_many_lists_train_two_level_and_assign_through_a_measured_coarse_level(t
         total += len(rows)
     assert total == len(x) and agree / total >= 0.99  # every vector indexed, in its nearest list but rarely
     assert recall_at_10(reader, x, x[:100] + 0.001, nprobe=300) == 1.0  # all lists probed: exact
+
+
+def test_two_level_only_when_its_sample_is_smaller_than_the_data(tmp_path: Path) -> None:
+    lake, _ = synthetic_lake(str(tmp_path / "lake"), n=8000)
+    store = LocalStore(str(tmp_path / "index"))
+    manifest = build_index(plan(lake), store.root, NONE, dataclasses.replace(OPTS, nlist=300))  # 64 x 300 > 8000
+    assert manifest.stats["kmeans"] == "flat" and "assign_probe" in manifest.stats
