@@ -314,13 +314,16 @@ def train_two_level(
     history = [sum(r.objective for r in results)]
     rounds = max(r.iterations for r in results)
     centroids = np.ascontiguousarray(np.concatenate([r.centroids for r in results]), dtype=np.float32)
-    step = partial_sums(sample, centroids)
+    # Each refinement step is one S·k pass; the objective and counts returned are those of
+    # the centroids before the last step (a build measures the final ones when it assigns).
+    objective, counts = history[0], np.zeros(k, dtype=np.int64)
     for _ in range(refine):
-        nonempty = step.counts > 0
-        centroids[nonempty] = (step.sums[nonempty] / step.counts[nonempty, None]).astype(np.float32)
         step = partial_sums(sample, centroids)
-        history.append(step.objective)
-    return KMeansResult(centroids, step.objective, rounds, history, step.counts, time.perf_counter() - started)
+        objective, counts = step.objective, step.counts
+        history.append(objective)
+        nonempty = counts > 0
+        centroids[nonempty] = (step.sums[nonempty] / counts[nonempty, None]).astype(np.float32)
+    return KMeansResult(centroids, objective, rounds, history, counts, time.perf_counter() - started)
 
 
 @dataclass
