@@ -95,6 +95,8 @@ def _shard_actor() -> Any:
 class RayData:
     """k-means data spread over Ray actors, one per partition."""
 
+    remote = True  # partitions live in other processes: hand their blocks over as Ray objects
+
     def __init__(self, loaders: Sequence[Loader], threads_per_actor: int = 1) -> None:
         import ray
 
@@ -151,8 +153,6 @@ class RayData:
                 done, pending = ray.wait(pending, num_returns=1)
                 bar.update(len(done))
         return list(ray.get(futures))
-
-    remote = True
 
     def close(self) -> None:
         import ray

@@ -201,21 +201,18 @@ def _imbalance(counts: np.ndarray) -> float:
     return float(len(counts) * np.square(counts.astype(np.float64)).sum() / float(counts.sum()) ** 2)
 
 
-def _coarse_level(
-    data: BuildData, centroids: np.ndarray, seed: int, stats: dict[str, Any] | None = None
-) -> CoarseLevel | None:
+def _coarse_level(data: BuildData, centroids: np.ndarray, seed: int, stats: dict[str, Any]) -> CoarseLevel | None:
     """A coarse level over many centroids when, on a sample of the data, it agrees with exact
     assignment (``MIN_AGREEMENT``) and takes less time; else None (exact assignment)."""
     if len(centroids) < TWO_LEVEL_MIN_K:
         return None
     level = CoarseLevel.fit(centroids, data.sample(CHECK_SAMPLE, seed + 1), seed=seed)
-    if stats is not None:
-        stats.update(
-            assign="coarse-level" if level.faster else "exact",
-            assign_probe=level.probe,
-            assign_agreement=round(level.agreement, 4),
-            assign_check_ms={"exact": round(level.exact_s * 1000, 1), "coarse_level": round(level.level_s * 1000, 1)},
-        )
+    stats.update(
+        assign="coarse-level" if level.faster else "exact",
+        assign_probe=level.probe,
+        assign_agreement=round(level.agreement, 4),
+        assign_check_ms={"exact": round(level.exact_s * 1000, 1), "coarse_level": round(level.level_s * 1000, 1)},
+    )
     return level if level.faster else None
 
 
@@ -225,14 +222,12 @@ class Assigned:
 
     counts: np.ndarray
     error: float  # mean squared distance to the assigned centroid
-    level: CoarseLevel | None
 
     @classmethod
     def run(cls, data: BuildData, centroids: np.ndarray, seed: int, stats: dict[str, Any]) -> Assigned:
-        level = _coarse_level(data, centroids, seed, stats)
-        results = data.map(_assign, centroids, level)
+        results = data.map(_assign, centroids, _coarse_level(data, centroids, seed, stats))
         counts = np.sum([c for c, _ in results], axis=0)
-        return cls(counts, sum(o for _, o in results) / max(1, int(counts.sum())), level)
+        return cls(counts, sum(o for _, o in results) / max(1, int(counts.sum())))
 
 
 def train_centroids(data: BuildData, nlist: int, opts: BuildOptions, stats: dict[str, Any]) -> np.ndarray:
@@ -307,18 +302,16 @@ def build_index(
     t = time.perf_counter()
     store = open_store(store_uri, settings)
     executor = choose_executor(opts.executor, snap.count, snap.dim)
-    data: BuildData
     if executor == "ray":
         import ray
 
         resources: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
-        parts = snap.partitions(opts.partitions or max(1, int(resources.get("CPU", 1))))
-        loaders = [partial(load_partition, snap.lake, snap.version, p) for p in parts]
-        data = RayData(loaders)
+        cpus = int(resources.get("CPU", 1))
     else:
-        parts = snap.partitions(opts.partitions or max(1, os.cpu_count() or 1))
-        loaders = [partial(load_partition, snap.lake, snap.version, p) for p in parts]
-        data = LocalPartitions(loaders)
+        cpus = os.cpu_count() or 1
+    parts = snap.partitions(opts.partitions or max(1, cpus))
+    loaders = [partial(load_partition, snap.lake, snap.version, p) for p in parts]
+    data: BuildData = RayData(loaders) if executor == "ray" else LocalPartitions(loaders)
     try:
         if data.count() != snap.count:
             raise BuildError(f"read {data.count()} vectors but the snapshot has {snap.count}.")

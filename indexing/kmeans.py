@@ -231,8 +231,8 @@ def train_kmeans(
 
 # -- two levels: k-means and assignment for many lists ---------------------------------
 
-#: from this many lists on, builds train two-level k-means and assign through a coarse level
-#: (LanceDB goes hierarchical above 256 too; below it, flat k-means costs little)
+#: from this many lists on, builds may train two-level k-means and assign through a coarse
+#: level (LanceDB goes hierarchical above 256 too; below it, flat k-means costs little)
 TWO_LEVEL_MIN_K = 256
 #: training points per list for two-level k-means (faiss warns below 39 per centroid)
 SAMPLE_PER_LIST = 64
