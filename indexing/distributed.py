@@ -92,21 +92,15 @@ def _shard_actor() -> Any:
     return Shard
 
 
-class RayData:
-    """k-means data spread over Ray actors, one per partition."""
+class _Partitioned:
+    """Sizes and dimension of partitioned data (what ``RayData`` and ``LocalPartitions`` share)."""
 
-    remote = True  # partitions live in other processes: hand their blocks over as Ray objects
-
-    def __init__(self, loaders: Sequence[Loader], threads_per_actor: int = 1) -> None:
-        import ray
-
-        actor = _shard_actor()
-        self.actors = [actor.remote(loader, threads_per_actor) for loader in loaders]
-        self._counts = [int(c) for c in ray.get([a.count.remote() for a in self.actors])]
-        dims = {int(d) for d, c in zip(ray.get([a.dim.remote() for a in self.actors]), self._counts, strict=True) if c}
-        if len(dims) > 1:
-            raise ValueError(f"partitions disagree on the vector dimension: {sorted(dims)}")
-        self._dim = dims.pop() if dims else 0
+    def _shape(self, counts: list[int], dims: list[int]) -> None:
+        self._counts = counts
+        known = {d for d, c in zip(dims, counts, strict=True) if c}
+        if len(known) > 1:
+            raise ValueError(f"partitions disagree on the vector dimension: {sorted(known)}")
+        self._dim = known.pop() if known else 0
 
     def count(self) -> int:
         return sum(self._counts)
@@ -116,6 +110,20 @@ class RayData:
 
     def dim(self) -> int:
         return self._dim
+
+
+class RayData(_Partitioned):
+    """k-means data spread over Ray actors, one per partition."""
+
+    remote = True  # partitions live in other processes: hand their blocks over as Ray objects
+
+    def __init__(self, loaders: Sequence[Loader], threads_per_actor: int = 1) -> None:
+        import ray
+
+        actor = _shard_actor()
+        self.actors = [actor.remote(loader, threads_per_actor) for loader in loaders]
+        counts = [int(c) for c in ray.get([a.count.remote() for a in self.actors])]
+        self._shape(counts, [int(d) for d in ray.get([a.dim.remote() for a in self.actors])])
 
     def sample(self, n: int, seed: int) -> Matrix:
         import ray
@@ -162,7 +170,7 @@ class RayData:
         self.actors = []
 
 
-class LocalPartitions:
+class LocalPartitions(_Partitioned):
     """``RayData``'s interface over partitions held in this process (faiss and BLAS use the
     machine's threads; shard tasks run on a thread pool)."""
 
@@ -174,20 +182,7 @@ class LocalPartitions:
         self.vectors = [
             np.ascontiguousarray(p.vectors if hasattr(p, "vectors") else p, dtype=np.float32) for p in self.parts
         ]
-        self._counts = [len(v) for v in self.vectors]
-        dims = {int(v.shape[1]) for v in self.vectors if len(v) and v.ndim == 2}
-        if len(dims) > 1:
-            raise ValueError(f"partitions disagree on the vector dimension: {sorted(dims)}")
-        self._dim = dims.pop() if dims else 0
-
-    def count(self) -> int:
-        return sum(self._counts)
-
-    def counts(self) -> list[int]:
-        return list(self._counts)
-
-    def dim(self) -> int:
-        return self._dim
+        self._shape([len(v) for v in self.vectors], [int(v.shape[1]) if v.ndim == 2 else 0 for v in self.vectors])
 
     def sample(self, n: int, seed: int) -> Matrix:
         local = split_indices(sample_indices(self.count(), n, seed), self._counts)

@@ -177,6 +177,16 @@ def kmeans_plus_plus(pool: Matrix, k: int, rng: np.random.Generator) -> Matrix:
     return centroids
 
 
+def _check_k(data: KMeansData, k: int) -> int:
+    """The data's size, once it is known to make k clusters."""
+    n = data.count()
+    if k < 1:
+        raise KMeansError("k must be at least 1.")
+    if n < k:
+        raise KMeansError(f"{n} vectors cannot make {k} clusters; lower --nlist.")
+    return n
+
+
 def train_kmeans(
     data: KMeansData,
     k: int,
@@ -191,11 +201,7 @@ def train_kmeans(
     ``reduce`` (default ``data.assign_partial``) computes the summed partial sums of all
     data for given centroids; distributed data does the fan-out there.
     """
-    n = data.count()
-    if k < 1:
-        raise KMeansError("k must be at least 1.")
-    if n < k:
-        raise KMeansError(f"{n} vectors cannot make {k} clusters; lower --nlist.")
+    n = _check_k(data, k)
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
     if k <= PLUS_PLUS_MAX_K:
@@ -282,11 +288,7 @@ def train_two_level(
     S·k. The returned objective is the sample's; builds measure the objective over all data
     when they assign.
     """
-    n = data.count()
-    if k < 1:
-        raise KMeansError("k must be at least 1.")
-    if n < k:
-        raise KMeansError(f"{n} vectors cannot make {k} clusters; lower --nlist.")
+    n = _check_k(data, k)
     started = time.perf_counter()
     sample = np.ascontiguousarray(data.sample(min(n, max(k, sample_per_list * k)), seed), dtype=np.float32)
     k1 = max(1, min(k, round(math.sqrt(k))))
