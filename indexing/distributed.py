@@ -136,11 +136,7 @@ class RayData(_Partitioned):
         import ray
 
         ref = ray.put(centroids)
-        parts: list[PartialSums] = ray.get([a.assign_partial.remote(ref) for a in self.actors])
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        return total
+        return PartialSums.total(ray.get([a.assign_partial.remote(ref) for a in self.actors]))
 
     def map(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """fn(partition, *args) on every partition, results in partition order."""
@@ -189,11 +185,7 @@ class LocalPartitions(_Partitioned):
         return np.concatenate([v[rows] for v, rows in zip(self.vectors, local, strict=True) if len(rows)])
 
     def assign_partial(self, centroids: Matrix) -> PartialSums:
-        parts = [partial_sums(v, centroids) for v in self.vectors]
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        return total
+        return PartialSums.total([partial_sums(v, centroids) for v in self.vectors])
 
     def map(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         return [fn(part, *args) for part in self.parts]

@@ -51,6 +51,14 @@ class PartialSums:
     def __add__(self, other: PartialSums) -> PartialSums:
         return PartialSums(self.sums + other.sums, self.counts + other.counts, self.objective + other.objective)
 
+    @staticmethod
+    def total(parts: Sequence[PartialSums]) -> PartialSums:
+        """The sum of every data share's contribution (at least one)."""
+        out = parts[0]
+        for part in parts[1:]:
+            out = out + part
+        return out
+
 
 class KMeansData(Protocol):
     def count(self) -> int: ...
@@ -132,9 +140,13 @@ class KMeansResult:
 
     @property
     def imbalance(self) -> float:
-        """faiss's imbalance factor: k * sum(n_i^2) / N^2 (1.0 = perfectly even lists)."""
-        n = float(self.counts.sum())
-        return float(len(self.counts) * np.square(self.counts.astype(np.float64)).sum() / (n * n)) if n else 0.0
+        return imbalance(self.counts)
+
+
+def imbalance(counts: npt.NDArray[np.int64]) -> float:
+    """faiss's imbalance factor: k * sum(n_i^2) / N^2 (1.0 = perfectly even lists; 0.0 if empty)."""
+    n = float(counts.sum())
+    return float(len(counts) * np.square(counts.astype(np.float64)).sum() / (n * n)) if n else 0.0
 
 
 def _split_empty(centroids: Matrix, counts: npt.NDArray[np.int64], rng: np.random.Generator) -> int:
@@ -251,6 +263,11 @@ MIN_AGREEMENT = 0.995
 ASSIGN_BLOCK = 65_536
 
 
+def two_level_sample(n: int, k: int, sample_per_list: int = SAMPLE_PER_LIST) -> int:
+    """How many of n points two-level k-means trains k lists on (all n when that bound does not bind)."""
+    return min(n, max(k, sample_per_list * k))
+
+
 def quotas(sizes: npt.NDArray[np.int64], k: int) -> npt.NDArray[np.int64]:
     """k fine clusters shared among coarse cells by population (largest remainder): each
     non-empty cell gets at least 1 and at most its size."""
@@ -290,7 +307,7 @@ def train_two_level(
     """
     n = _check_k(data, k)
     started = time.perf_counter()
-    sample = np.ascontiguousarray(data.sample(min(n, max(k, sample_per_list * k)), seed), dtype=np.float32)
+    sample = np.ascontiguousarray(data.sample(two_level_sample(n, k, sample_per_list), seed), dtype=np.float32)
     k1 = max(1, min(k, round(math.sqrt(k))))
     # the coarse level needs no more than faiss's 256 points per centroid
     rng = np.random.default_rng(seed)
