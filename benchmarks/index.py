@@ -12,6 +12,11 @@ Sections
   ``faiss.Kmeans`` over all of them + ``IndexIVFFlat.add``, write the index) at the same
   nlist and iterations: wall time, peak RSS of all processes, and our k-means objective
   over all vectors against faiss's. Target: >= 10x faster.
+- incremental: a full build with --reuse-centroids, then --changed (1%) of the chunks
+  updated, deleted and inserted through the lake writer, then an incremental build (plan
+  included) vs that full build and vs a full rewrite on the same centroids: seconds, bytes
+  written, recall@10 at the default nprobe of both. Targets: <= 5% of the bytes and <= 10%
+  of the time of a full build.
 - kmeans: distributed k-means on local Ray (the builder's code path) vs single-process
   ``faiss.Kmeans`` at the same nlist and iterations: wall time, peak RSS of all processes,
   objective ratio. Targets: <= 1.3x time, objective within 1%.
@@ -29,6 +34,7 @@ Sections
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -168,6 +174,79 @@ def bench_build(x: np.ndarray, nlist: int, iters: int, work: Path, executors: li
              build_peak_rss_mb=round(ours_mem.peak / 2**20), faiss_peak_rss_mb=round(ref_mem.peak / 2**20),
              objective_ratio=round(st["kmeans_objective"] / ref_obj, 4),
              targets="speedup >= 10x single-process faiss; objective against its flat k-means")  # fmt: skip
+
+
+def change_lake(lake: Lake, x: np.ndarray, share: float, seed: int = 7) -> int:
+    """Update, delete and insert ``share`` of the chunks (half, a quarter, a quarter) in 10 commits;
+    updated and new vectors are perturbed copies of existing ones (the same distribution)."""
+    rng = np.random.default_rng(seed)
+    m = max(4, int(share * len(x)))
+    picked = rng.choice(len(x), m // 2 + m // 4, replace=False)
+    updated, deleted = picked[: m // 2], picked[m // 2 :]
+
+    def near(rows: np.ndarray) -> np.ndarray:
+        v = x[rows] + rng.standard_normal((len(rows), x.shape[1])).astype(np.float32) * 0.05
+        return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+    writer = LakeWriter(lake, CHUNKS, "bench-changes", None)
+    later = "pg:00000000000000999999"
+    for part in np.array_split(updated, 5):
+        writer.write(pa.concat_tables([chunk_rows(near(np.array([r])), start=int(r), position=later) for r in part]))
+    for part in np.array_split(deleted, 3):
+        writer.write(pa.concat_tables([chunk_rows(x[[r]], start=int(r), op="delete", position=later) for r in part]))
+    inserted = rng.choice(len(x), m // 4, replace=False)
+    writer.write(chunk_rows(near(inserted), start=len(x) + 1))
+    writer.write(chunk_rows(near(inserted[:1]), start=len(x) + 10 * m))  # one more commit, one row
+    return m
+
+
+def index_recall(store: LocalStore, version: int, lake: Lake, queries: np.ndarray) -> float:
+    """recall@10 at the default nprobe of an index version against exact search over the live chunks."""
+    live = current_chunks(lake, columns=["chunk_id", "position", "op", "embedding"])
+    ids = live.column("chunk_id").to_pylist()
+    exact = faiss.IndexFlatL2(queries.shape[1])
+    exact.add(embeddings(live))
+    _, truth = exact.search(queries, 10)
+    reader = IndexReader(store, version)
+    hits = reader.search(queries, 10, default_nprobe(reader.manifest.nlist))
+    found = [{r["chunk_id"] for r in reader.rows(row, ["chunk_id"])} for row in hits]
+    return float(np.mean([len(f & {ids[j] for j in t}) / 10 for f, t in zip(found, truth, strict=True)]))
+
+
+def bench_incremental(x: np.ndarray, nlist: int, iters: int, work: Path, queries: np.ndarray, share: float) -> None:
+    """A full build, then ``share`` of the chunks changed, then an incremental build vs a full
+    rewrite on the same centroids: time (plan included), bytes written, recall."""
+    lake = write_lake(x, str(work / "inc-lake"))
+    store = LocalStore(str(work / "inc-index"))
+    opts = BuildOptions(nlist, iters, progress=False, reuse_centroids=True, ray_dir=str(work / "ray"))
+
+    def timed(o: BuildOptions) -> tuple[float, Manifest]:
+        t0 = time.perf_counter()
+        manifest = build_index(plan(lake), store.root, ObjectStoreSettings(), o)
+        elapsed = time.perf_counter() - t0
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+        return elapsed, manifest
+
+    full_s, full = timed(opts)
+    publish(store, full)
+    changed = change_lake(lake, x, share)
+    inc_s, inc = timed(opts)
+    inc_version = publish(store, inc)
+    rewrite_s, rewrite = timed(dataclasses.replace(opts, incremental=False))
+    rewrite_version = publish(store, rewrite)
+    st = inc.stats
+    emit(bench="index_incremental", n=len(x), dim=x.shape[1], nlist=nlist, changed_chunks=st["changed_chunks"],
+         changed_share=round(changed / len(x), 4), incremental=st["incremental"], delta_rows=st.get("delta_rows"),
+         dead_rows=st.get("dead_rows"), full_s=round(full_s, 2), full_bytes=full.stats["written_bytes"],
+         incremental_s=round(inc_s, 2), incremental_bytes=st["written_bytes"],
+         time_ratio=round(inc_s / full_s, 4), bytes_ratio=round(st["written_bytes"] / full.stats["written_bytes"], 4),
+         rewrite_same_centroids_s=round(rewrite_s, 2), rewrite_bytes=rewrite.stats["written_bytes"],
+         stages=st["timings"], full_executor=full.stats["executor"],
+         recall_at_10_incremental=round(index_recall(store, inc_version, lake, queries), 4),
+         recall_at_10_rewrite=round(index_recall(store, rewrite_version, lake, queries), 4),
+         targets="after 1% changed: <= 5% of a full build's bytes, <= 10% of its time")  # fmt: skip
 
 
 def bench_kmeans(x: np.ndarray, nlist: int, iters: int, partitions: int) -> np.ndarray:
@@ -322,7 +401,8 @@ def bench_peer(x: np.ndarray, queries: np.ndarray, nlist: int, iters: int, pytho
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["build", "kmeans", "recall", "peer", "gpu"], action="append")
+    parser.add_argument("--only", choices=["build", "incremental", "kmeans", "recall", "peer", "gpu"], action="append")
+    parser.add_argument("--changed", type=float, default=0.01, help="incremental: share of the chunks changed")
     parser.add_argument("--corpus", choices=["synthetic", "pydocs"], default="synthetic")
     parser.add_argument("--n", type=int, default=200_000, help="synthetic vectors")
     parser.add_argument("--dim", type=int, default=384)
@@ -337,7 +417,7 @@ def main() -> None:
     parser.add_argument("--gpu-n", type=int, default=10_000_000)
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     args = parser.parse_args()
-    sections = set(args.only or ["build", "kmeans", "recall", "peer", "gpu"])
+    sections = set(args.only or ["build", "incremental", "kmeans", "recall", "peer", "gpu"])
     TAGS["corpus"] = args.corpus
     with tempfile.TemporaryDirectory(prefix="streamrag-ibench-") as tmp:
         work = Path(tmp)
@@ -355,6 +435,8 @@ def main() -> None:
             nlist = args.nlist or choose_nlist(len(x))
             if "build" in sections:
                 bench_build(x, nlist, args.iterations, work, args.executor)
+            if "incremental" in sections:
+                bench_incremental(x, nlist, args.iterations, work, queries, args.changed)
             if sections & {"kmeans", "recall"}:
                 start_ray(work_dir=work / "ray")
                 centroids = bench_kmeans(x, nlist, args.iterations, args.partitions)

@@ -7,9 +7,9 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from indexing.manifest import DEFAULT_GC_GRACE_S, latest_version
@@ -58,9 +58,23 @@ def add_commands(sub: Any) -> None:
         "--reuse-centroids",
         action="store_true",
         default=None,
-        help="assign to the last build's centroids unless they drifted",
+        help="assign to the last build's centroids unless they drifted; then, while few chunks changed, build "
+        "incrementally (see --max-delta)",
     )
     p.add_argument("--drift-threshold", type=float, help="retrain above this quantization-error growth (0.10)")
+    p.add_argument(
+        "--max-delta",
+        type=float,
+        metavar="SHARE",
+        help="with --reuse-centroids: an incremental build (only the chunks changed since the last full build are "
+        "written; the rest is shared with it) while at most this share of the chunks changed, else a full one (0.10)",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        default=None,
+        help="with --reuse-centroids: assign and rewrite everything even when an incremental build would do",
+    )
     p.add_argument("--keep", type=int, help="keep only the newest N versions (after --gc-grace)")
     p.add_argument(
         "--gc-grace",
@@ -167,15 +181,22 @@ def _build_once(config: IndexBuildSettings, as_json: bool) -> int:
     if as_json:
         print(json.dumps(summary))
     else:
+        stats = summary["stats"]
+        how = (
+            f"incremental on version {stats['base_version']}: {stats['changed_chunks']} chunks changed since, "
+            f"{stats['written_bytes'] / 2**20:.1f} MB written, {stats['reused_bytes'] / 2**20:.1f} MB shared"
+            if stats.get("incremental")
+            else f"full build, {stats['written_bytes'] / 2**20:.1f} MB written"
+            + (f" ({stats['full_reason']})" if stats.get("full_reason") else "")
+        )
         print(
             f"published index version {summary['version']}: {summary['count']} vectors, nlist {summary['nlist']}, "
-            f"{summary['shards']} shards, lake version {summary['lake_version']}"
+            f"{summary['shards']} shards, lake version {summary['lake_version']}; {how}"
         )
     return 0
 
 
 def _build(config: IndexBuildSettings) -> dict[str, Any]:
-    from indexing.distributed import choose_executor, start_ray
     from indexing.ivf import BuildOptions, build_index
     from indexing.manifest import collect_garbage, latest_version, publish
     from indexing.snapshot import plan
@@ -200,19 +221,19 @@ def _build(config: IndexBuildSettings) -> dict[str, Any]:
         shard_bytes=int(config.shard_mb * (1 << 20)),
         reuse_centroids=config.reuse_centroids,
         drift_threshold=config.drift_threshold,
+        incremental=not config.full,
+        max_delta=config.max_delta,
         codec=config.codec,
-        executor=choose_executor(config.executor, snap.count, snap.dim, config.ray_address),
+        executor="ray" if config.ray_address else config.executor,
+        ray_address=config.ray_address,
     )
-    if opts.executor == "local":
-        manifest = build_index(snap, store.root, settings, opts)
-    else:
-        with tempfile.TemporaryDirectory(prefix="srray-", dir=_short_temp_dir()) as tmp:
-            start_ray(config.ray_address, Path(tmp))
-            try:
-                manifest = build_index(snap, store.root, settings, opts)
-            finally:
-                import ray
-
+    # Ray starts only if the build uses it (an incremental build's small delta does not)
+    with tempfile.TemporaryDirectory(prefix="srray-", dir=_short_temp_dir()) as tmp:
+        try:
+            manifest = build_index(snap, store.root, settings, dataclasses.replace(opts, ray_dir=tmp))
+        finally:
+            ray = sys.modules.get("ray")
+            if ray is not None and ray.is_initialized():
                 ray.shutdown()
     version = publish(store, manifest)
     deleted = collect_garbage(store, config.keep, config.gc_grace) if config.keep else []

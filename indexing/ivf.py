@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import faiss
@@ -35,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from indexing.distributed import LocalPartitions, RayData, choose_executor
+from indexing.distributed import LocalPartitions, RayData, choose_executor, start_ray
 from indexing.kmeans import (
     SAMPLE_PER_LIST,
     TWO_LEVEL_MIN_K,
@@ -88,6 +89,13 @@ class BuildOptions:
     #: two-level k-means: training points per list, then Lloyd steps over that sample with all lists
     sample_per_list: int = SAMPLE_PER_LIST
     refine: int = 1
+    #: a Ray cluster to join, and where local Ray keeps its files (Ray starts when a build needs it)
+    ray_address: str | None = None
+    ray_dir: str | None = None
+    #: with ``reuse_centroids``: write only what changed since the last full build when possible
+    incremental: bool = True
+    #: an incremental build only while at most this share of the chunks changed since the last full build
+    max_delta: float = 0.10
 
 
 #: vectors on which a coarse level's agreement with exact assignment is measured
@@ -119,7 +127,7 @@ def plan_shards(counts: np.ndarray, dim: int, shard_bytes: int) -> list[tuple[in
 # -- functions that run where the data lives ------------------------------------------
 
 
-def _assign(part: Partition, centroids: np.ndarray, level: CoarseLevel | None) -> tuple[np.ndarray, float]:
+def assign_labels(part: Partition, centroids: np.ndarray, level: CoarseLevel | None) -> tuple[np.ndarray, float]:
     dist, labels = assign(part.vectors, centroids, level)
     part.labels = labels
     return np.bincount(labels, minlength=len(centroids)), float(dist.astype(np.float64).sum())
@@ -169,6 +177,7 @@ def build_shard(
     rows = rows.append_column("faiss_id", pa.array(ids)).append_column("list_no", pa.array(labels, pa.int32()))
     sink = io.BytesIO()
     pq.write_table(rows, sink, compression="zstd")
+    keys = put_file(store, f"{name}.keys.parquet", chunk_keys(rows))
     if codec is not None:
         lists, floats, table = encode_lists(vectors, labels, start, end, codec.name, codec.trained)
         return ShardRef(
@@ -178,6 +187,7 @@ def build_shard(
             table=put_file(store, f"{name}.table.npz", table.to_bytes()),
             vectors=put_file(store, f"{name}.vectors", floats),
             codec=codec.ref,
+            keys=keys,
         )  # fmt: skip
     index = faiss.IndexIVFFlat(faiss.IndexFlatL2(dim), dim, nlist, faiss.METRIC_L2)
     index.is_trained = True  # the coarse quantizer lives in the manifest's centroids
@@ -192,7 +202,14 @@ def build_shard(
     blob = faiss.serialize_index(index).tobytes()
     index_ref = put_file(store, f"{name}.faiss", blob)
     ids_ref = put_file(store, f"{name}.ids.parquet", sink.getvalue())
-    return ShardRef(index_ref, ids_ref, start, end, len(vectors))
+    return ShardRef(index_ref, ids_ref, start, end, len(vectors), keys=keys)
+
+
+def chunk_keys(rows: pa.Table) -> bytes:
+    """A shard's chunk ids in faiss-id order, alone (parquet): what incremental builds read."""
+    sink = io.BytesIO()
+    pq.write_table(rows.select(["chunk_id"]), sink, compression="zstd")
+    return sink.getvalue()
 
 
 # -- the driver ------------------------------------------------------------------------
@@ -222,7 +239,7 @@ class Assigned:
 
     @classmethod
     def run(cls, data: BuildData, centroids: np.ndarray, seed: int, stats: dict[str, Any]) -> Assigned:
-        results = data.map(_assign, centroids, _coarse_level(data, centroids, seed, stats))
+        results = data.map(assign_labels, centroids, _coarse_level(data, centroids, seed, stats))
         counts = np.sum([c for c, _ in results], axis=0)
         return cls(counts, sum(o for _, o in results) / max(1, int(counts.sum())))
 
@@ -290,29 +307,70 @@ def _centroids(
     return centroids, stats, None
 
 
+def open_data(snap: Snapshot, executor: str, opts: BuildOptions) -> BuildData:
+    """The snapshot's partitions, loaded by Ray actors (Ray started if it is not) or by this
+    process's threads."""
+    partitions = opts.partitions
+    if executor == "ray":
+        import ray
+
+        start_ray(opts.ray_address, Path(opts.ray_dir) if opts.ray_dir else None)
+        resources: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
+        cpus = int(resources.get("CPU", 1))
+    else:
+        cpus = os.cpu_count() or 1
+    parts = snap.partitions(partitions or max(1, cpus))
+    loaders = [partial(load_partition, snap.lake, snap.version, p) for p in parts]
+    data: BuildData = RayData(loaders) if executor == "ray" else LocalPartitions(loaders)
+    if data.count() != snap.count:
+        data.close()
+        raise BuildError(f"read {data.count()} vectors but the snapshot has {snap.count}.")
+    return data
+
+
+def new_build_id() -> str:
+    return f"{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+
+
+def write_shards(
+    data: BuildData, ranges: list[tuple[int, int]], store_uri: str, settings: ObjectStoreSettings, prefix: str,
+    nlist: int, dim: int, codec: Codec | None, progress: bool,
+) -> list[ShardRef]:  # fmt: skip
+    """The shards of list ranges, built by tasks that receive their rows straight from the
+    partitions (labels assigned) and write them to the store."""
+    per_part = data.map(_blocks, ranges, data.remote)  # [partition][shard] → blocks (Ray refs on Ray)
+    calls = [
+        (store_uri, settings, prefix, start, end, nlist, dim, codec, *[blocks[i] for blocks in per_part])
+        for i, (start, end) in enumerate(ranges)
+    ]
+    del per_part
+    shards: list[ShardRef] = data.run(build_shard, calls, "shards", progress)
+    return shards
+
+
 def build_index(
     snap: Snapshot, store_uri: str, settings: ObjectStoreSettings, opts: BuildOptions = BuildOptions()
 ) -> Manifest:
     """Build and write every file of a new index version; return its (unpublished) manifest.
 
-    A Ray build needs Ray started (``indexing.distributed.start_ray``); a local one does not."""
+    With ``reuse_centroids`` (and ``incremental``), an incremental build when it is possible
+    (``indexing.incremental``), else a full one. A Ray build starts Ray unless it is running
+    (``opts.ray_address``: join that cluster); the caller shuts it down."""
+    store = open_store(store_uri, settings)
+    full_reason = None
+    if opts.reuse_centroids and opts.incremental:
+        from indexing.incremental import build_incremental
+
+        built = build_incremental(snap, store, settings, opts)
+        if isinstance(built, Manifest):
+            return built
+        full_reason = built
+        log.info("full build: %s", full_reason)
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    store = open_store(store_uri, settings)
-    executor = choose_executor(opts.executor, snap.count, snap.dim)
-    if executor == "ray":
-        import ray
-
-        resources: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
-        cpus = int(resources.get("CPU", 1))
-    else:
-        cpus = os.cpu_count() or 1
-    parts = snap.partitions(opts.partitions or max(1, cpus))
-    loaders = [partial(load_partition, snap.lake, snap.version, p) for p in parts]
-    data: BuildData = RayData(loaders) if executor == "ray" else LocalPartitions(loaders)
+    executor = choose_executor(opts.executor, snap.count, snap.dim, opts.ray_address)
+    data = open_data(snap, executor, opts)
     try:
-        if data.count() != snap.count:
-            raise BuildError(f"read {data.count()} vectors but the snapshot has {snap.count}.")
         timings["load_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -332,7 +390,7 @@ def build_index(
         timings["assign_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        build_id = f"{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+        build_id = new_build_id()
         prefix = f"builds/{build_id}"
         sink = io.BytesIO()
         np.save(sink, centroids.astype(np.float32))
@@ -344,26 +402,27 @@ def build_index(
                 opts.codec, np.min([b[0] for b in bounds], axis=0), np.max([b[1] for b in bounds], axis=0)
             )
             codec = Codec(opts.codec, trained, put_file(store, f"{prefix}/codec.npz", save_codec(opts.codec, trained)))
-        per_part = data.map(_blocks, ranges, data.remote)  # [partition][shard] → blocks (Ray refs on Ray)
-        calls = [
-            (store_uri, settings, prefix, start, end, len(centroids), snap.dim, codec,
-             *[blocks[i] for blocks in per_part])
-            for i, (start, end) in enumerate(ranges)
-        ]  # fmt: skip
-        del per_part
-        shards: list[ShardRef] = data.run(build_shard, calls, "shards", opts.progress)
+        shards = write_shards(
+            data, ranges, store_uri, settings, prefix, len(centroids), snap.dim, codec, opts.progress
+        )  # fmt: skip
         timings["shards_s"] = time.perf_counter() - t
+        partitions = len(data.counts())
     finally:
         data.close()
 
+    written = {centroids_ref.key: centroids_ref.bytes, **({codec.ref.key: codec.ref.bytes} if codec else {})}
+    written.update((f.key, f.bytes) for shard in shards for f in shard.files())
     stats.update(
+        incremental=False,
+        **({"full_reason": full_reason} if full_reason else {}),
         quantization_error=error,
         imbalance=imbalance(counts),
         empty_lists=int(np.sum(counts == 0)),
         largest_list=int(counts.max()),
         timings={k: round(v, 3) for k, v in timings.items()},
-        partitions=len(parts),
+        partitions=partitions,
         executor=executor,
+        written_bytes=sum(written.values()),
     )
     return Manifest(
         version=0,
@@ -382,4 +441,6 @@ def build_index(
         writer_seqs=snap.writer_seqs,
         codec=opts.codec,
         format_version=FORMAT_VERSION if opts.codec == "flat" else RANGED_FORMAT_VERSION,
+        base_writer_seqs=snap.writer_seqs,
+        untagged_rows=snap.untagged_rows,
     )

@@ -419,7 +419,10 @@ def search_lists(
     # faiss stops a query's scan at its first -1: the probed lists go first, the pads last.
     local = np.take_along_axis(local, np.argsort(local < 0, axis=1, kind="stable"), axis=1)
     quant = _DUMMY_QUANTIZERS.setdefault(dim, faiss.IndexFlatL2(dim))
-    index: Any = faiss.IndexIVFScalarQuantizer(quant, dim, max(1, len(numbers)), CODECS[codec], faiss.METRIC_L2, False)
+    # faiss clamps nprobe to nlist, and reads query i's lists at i × nprobe: with fewer lists
+    # than probes per query, every query after the first would read another's row.
+    nlist = max(1, len(numbers), local.shape[1])
+    index: Any = faiss.IndexIVFScalarQuantizer(quant, dim, nlist, CODECS[codec], faiss.METRIC_L2, False)
     faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), index.sq.trained)
     index.is_trained = True
     invlists: Any = index.invlists

@@ -8,6 +8,11 @@ Layout under the index URI::
     versions/00000007.json                    the manifest: written last, if absent
     LATEST                                    "7": a hint, advanced after the manifest
 
+An incremental build (``indexing.incremental``) writes only a delta: its manifest names
+the unchanged shards of earlier builds (no copy), each with the ids of its rows that are
+dead in this version, plus delta shards of the chunk versions added since. A file
+belongs to every version that names it, whichever build wrote it.
+
 A version exists once its manifest exists, and a manifest is only written after every
 file it names; claiming a number uses put-if-absent, so two builders can't both publish
 version 7. Readers take the greatest manifest number (``LATEST`` only saves a listing),
@@ -32,6 +37,10 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1  # float IVF shards: what every reader since the first understands
 #: compressed, list-granular shards (``indexing.lists``): older readers refuse them cleanly
 RANGED_FORMAT_VERSION = 2
+#: shards shared with earlier builds, with per-version dead rows and delta shards: a reader
+#: that ignored the dead rows would serve deleted and superseded chunks, so older ones refuse it
+INCREMENTAL_FORMAT_VERSION = 3
+KNOWN_FORMATS = (FORMAT_VERSION, RANGED_FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION)
 _VERSION_KEY = re.compile(r"^versions/(\d{8})\.json$")
 
 
@@ -60,6 +69,18 @@ class ShardRef:
     table: FileRef | None = None
     vectors: FileRef | None = None
     codec: FileRef | None = None
+    #: the rows' chunk ids in faiss-id order (parquet): what an incremental build matches changes against
+    keys: FileRef | None = None
+    #: faiss ids of rows dead in this version (int64 .npy, sorted): chunks deleted or changed since the
+    #: build that wrote the shard. Per version: versions that share a shard name their own.
+    dead: FileRef | None = None
+    dead_count: int = 0
+    #: written by an incremental build: rows of chunks changed since the base build, any lists
+    delta: bool = False
+
+    @property
+    def live(self) -> int:
+        return self.count - self.dead_count
 
     @property
     def ranged(self) -> bool:
@@ -67,7 +88,11 @@ class ShardRef:
         return self.table is not None
 
     def files(self) -> list[FileRef]:
-        return [f for f in (self.index, self.ids, self.table, self.vectors, self.codec) if f is not None]
+        return [
+            f
+            for f in (self.index, self.ids, self.table, self.vectors, self.codec, self.keys, self.dead)
+            if f is not None
+        ]
 
     def opened(self) -> list[FileRef]:
         """The files that opening the shard fetches whole: a ranged shard's list table, id map
@@ -98,6 +123,13 @@ class Manifest:
     writer_seqs: dict[str, int] = field(default_factory=dict)
     #: how vectors are stored in the shards: "flat" (float32 IVF) or a ``indexing.lists`` codec
     codec: str = "flat"
+    #: the full build whose (non-delta) shards this version uses: its index version once published
+    #: (None: this version is a full build), and its writers' last commit numbers
+    base_version: int | None = None
+    base_writer_seqs: dict[str, int] = field(default_factory=dict)
+    #: chunk rows without a writer tag in the snapshot (older lakes): a change among them is
+    #: invisible to ``writer_seqs``, so an incremental build requires the same number
+    untagged_rows: int = 0
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
@@ -105,10 +137,10 @@ class Manifest:
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
         obj = json.loads(raw)
-        if obj.get("format_version") not in (FORMAT_VERSION, RANGED_FORMAT_VERSION):
+        if obj.get("format_version") not in KNOWN_FORMATS:
             raise ManifestError(
                 f"manifest format {obj.get('format_version')} is not one this reader knows "
-                f"({FORMAT_VERSION}, {RANGED_FORMAT_VERSION}): upgrade streamrag."
+                f"({', '.join(map(str, KNOWN_FORMATS))}): upgrade streamrag."
             )
         obj["centroids"] = FileRef(**obj["centroids"])
 
@@ -125,17 +157,19 @@ class Manifest:
                 ref(s.get("table")),
                 ref(s.get("vectors")),
                 ref(s.get("codec")),
+                ref(s.get("keys")),
+                ref(s.get("dead")),
+                s.get("dead_count", 0),
+                s.get("delta", False),
             )
             for s in obj["shards"]
         ]
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in obj.items() if k in known})  # newer writers' extra keys are ignored
 
-    def shard_for_list(self, list_no: int) -> int:
-        for i, shard in enumerate(self.shards):
-            if shard.list_start <= list_no < shard.list_end:
-                return i
-        raise ManifestError(f"list {list_no} is in no shard of version {self.version}.")
+    def files(self) -> list[FileRef]:
+        """Every file this version names (its own build's and earlier builds' it shares)."""
+        return [self.centroids, *(f for s in self.shards for f in s.files())]
 
 
 def sha256(data: bytes) -> str:
@@ -187,6 +221,7 @@ def publish(store: ObjectStore, manifest: Manifest) -> int:
     that landed although its answer was lost (a timeout, a dropped connection): then the
     version is already published, and publishing it again would make a duplicate.
     """
+    _check_shared(store, manifest)
     number = (latest_version(store) or 0) + 1
     while True:
         manifest.version = number
@@ -203,6 +238,23 @@ def publish(store: ObjectStore, manifest: Manifest) -> int:
     return number
 
 
+def _check_shared(store: ObjectStore, manifest: Manifest) -> None:
+    """Every file the manifest shares with earlier builds is still there (one listing per
+    build): garbage collection may have deleted an old base while this build ran."""
+    by_build: dict[str, set[str]] = {}
+    for ref in manifest.files():
+        parts = ref.key.split("/")
+        if len(parts) >= 3 and parts[0] == "builds" and parts[1] != manifest.build_id:
+            by_build.setdefault(parts[1], set()).add(ref.key)
+    for build, keys in by_build.items():
+        missing = keys - set(store.list(f"builds/{build}/"))
+        if missing:
+            raise ManifestError(
+                f"{len(missing)} files of build {build} that this version shares are gone "
+                f"(e.g. {store.uri(sorted(missing)[0])}); not publishing it: build again."
+            )
+
+
 #: how long a version replaced by a newer one is kept before garbage collection may delete it
 DEFAULT_GC_GRACE_S = 900.0
 
@@ -210,7 +262,10 @@ DEFAULT_GC_GRACE_S = 900.0
 def collect_garbage(
     store: ObjectStore, keep: int, grace_s: float = DEFAULT_GC_GRACE_S, now: datetime | None = None
 ) -> list[int]:
-    """Delete all but the newest ``keep`` versions and their build files; return deleted versions.
+    """Delete all but the newest ``keep`` versions and their files; return deleted versions.
+
+    A file goes only when no kept version names it: incremental versions share the shards
+    of earlier builds.
 
     A version is deleted only once ``grace_s`` seconds have passed since the version that
     replaced it (the next newer one) was built: replicas switch to a new version within
@@ -232,12 +287,13 @@ def collect_garbage(
             doomed.append(older)
         else:
             break  # versions are replaced in order: every later one is younger still
-    kept_builds = {m.build_id for n, m in manifests.items() if n not in doomed}
+    named = {f.key for n, m in manifests.items() if n not in doomed for f in m.files()}
     for number in doomed:
         store.delete(f"versions/{number:08d}.json")
-        if manifests[number].build_id not in kept_builds:
-            for key in list(store.list(f"builds/{manifests[number].build_id}/")):
-                store.delete(key)
+        # Its own build's files and the earlier builds' files it shared, unless a kept version names them.
+        mine = {*store.list(f"builds/{manifests[number].build_id}/"), *(f.key for f in manifests[number].files())}
+        for key in sorted(mine - named):
+            store.delete(key)
     # Files of builds that never published are left alone: one may be in progress.
     if len(numbers) - len(doomed) > keep:
         log.info("keeping %d versions beyond --keep %d for the %.0f s grace period",

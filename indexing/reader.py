@@ -6,7 +6,9 @@ the manifest's sha256, and searched with precomputed list assignments
 
 Filters (ACLs, chunks superseded after the snapshot) are applied *inside* the scan with a
 faiss ID selector: the top-k comes from the allowed vectors of the probed lists, so a
-filter never costs recall the way filtering an over-fetched top-k does.
+filter never costs recall the way filtering an over-fetched top-k does. An incremental
+version's dead rows (chunks changed since the build that wrote a shared shard) are one
+more such filter, and its delta shards are searched for every probed list.
 """
 
 from __future__ import annotations
@@ -217,10 +219,17 @@ class IndexReader:
         self.quantizer = faiss.IndexFlatL2(self.manifest.dim)
         self.quantizer.add(self.centroids)
         self.source = source or MemoSource()
+        #: the (non-delta) shard holding each list; an incremental version's delta shards hold any list
         self.shard_of_list = np.full(self.manifest.nlist, -1, dtype=np.int64)
+        self.deltas: list[int] = []
         for i, ref in enumerate(self.manifest.shards):
-            self.shard_of_list[ref.list_start : ref.list_end] = i
+            if ref.delta:
+                self.deltas.append(i)
+            else:
+                self.shard_of_list[ref.list_start : ref.list_end] = i
         self.fetch_threads = fetch_threads
+        self._alive: dict[int, np.ndarray | None] = {}
+        self._alive_lock = threading.Lock()
 
     def shard(self, i: int) -> LoadedShard:
         return self.source.load(self.store, self.manifest.shards[i])
@@ -241,6 +250,41 @@ class IndexReader:
             with ThreadPoolExecutor(min(self.fetch_threads, len(missing)), thread_name_prefix="shard-fetch") as pool:
                 found.update(zip(missing, pool.map(self.shard, missing), strict=True))
         return found
+
+    def holding(self, lists: np.ndarray) -> dict[int, np.ndarray]:
+        """For each shard holding some of the probed ``lists`` (-1 pads): a mask over ``lists``
+        of the lists it holds."""
+        shard_of = np.where(lists >= 0, self.shard_of_list[np.maximum(lists, 0)], -1)
+        held = {int(s): shard_of == s for s in np.unique(shard_of) if s >= 0}
+        for i in self.deltas:
+            ref = self.manifest.shards[i]
+            mine = (lists >= ref.list_start) & (lists < ref.list_end)
+            if mine.any():
+                held[i] = mine
+        return held
+
+    def alive(self, s: int) -> np.ndarray | None:
+        """Mask of shard ``s``'s rows that are live in this version (None: all of them): an
+        incremental version names rows of shared shards whose chunks changed since as dead."""
+        ref = self.manifest.shards[s]
+        if ref.dead is None:
+            return None
+        with self._alive_lock:
+            if s in self._alive:
+                return self._alive[s]
+        dead = np.load(io.BytesIO(get_verified(self.store, ref.dead)), allow_pickle=False)
+        alive = np.ones(ref.count, bool)
+        alive[dead] = False
+        with self._alive_lock:
+            return self._alive.setdefault(s, alive)
+
+    def _mask(self, s: int, shard: LoadedShard, allow: Allow | None) -> np.ndarray | None:
+        """Which rows of shard ``s`` a search may return: live in this version and allowed."""
+        mask = allow(s, shard) if allow is not None else None
+        alive = self.alive(s)
+        if alive is not None:
+            mask = alive if mask is None else mask & alive
+        return mask
 
     def probe(self, queries: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
         """(distances, list numbers) of the nprobe nearest lists of each query."""
@@ -266,14 +310,14 @@ class IndexReader:
         """
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         coarse_d, lists = self.probe(queries, nprobe)
-        shard_of = np.where(lists >= 0, self.shard_of_list[np.maximum(lists, 0)], -1)
-        loaded = self.shards(int(s) for s in np.unique(shard_of) if s >= 0)
+        held = self.holding(lists)
+        loaded = self.shards(held)
         if self.manifest.codec != "flat":
-            return self._search_ranged(queries, lists, shard_of, loaded, k, allow, rerank, moved)
+            return self._search_ranged(queries, lists, held, loaded, k, allow, rerank, moved)
         n = len(queries)
         found_d, found_i, found_s = [], [], []
         for s, shard in loaded.items():
-            mine = shard_of == s
+            mine = held[s]
             # This shard's probed lists only, left-packed (-1 pads), with their coarse distances.
             if n == 1:  # the service's case: plain boolean indexing
                 assign = np.ascontiguousarray(lists[mine][None, :], dtype=np.int64)
@@ -286,7 +330,7 @@ class IndexReader:
                 coarse = np.ascontiguousarray(np.take_along_axis(coarse_d, order, 1), dtype=np.float32)
             params = faiss.SearchParametersIVF()
             params.nprobe = assign.shape[1]
-            mask = allow(s, shard) if allow is not None else None
+            mask = self._mask(s, shard, allow)
             keep: Any = None
             if mask is not None:
                 if not mask.any():
@@ -308,7 +352,7 @@ class IndexReader:
         self,
         queries: np.ndarray,
         lists: np.ndarray,
-        shard_of: np.ndarray,
+        held: dict[int, np.ndarray],
         loaded: dict[int, LoadedShard],
         k: int,
         allow: Allow | None,
@@ -319,7 +363,7 @@ class IndexReader:
         the best ``rerank`` × k re-ranked exactly."""
         n = len(queries)
         pool = shard_pool()
-        wanted = {s: sorted({int(x) for x in lists[shard_of == s]}) for s in loaded}
+        wanted = {s: sorted({int(x) for x in lists[held[s]]}) for s in loaded}
         fetching = {s: pool.submit(shard.lists.lists, wanted[s], moved) for s, shard in loaded.items() if shard.lists}
         resident = {s: f.result() for s, f in fetching.items()}
         depth = max(k, k * rerank)
@@ -327,7 +371,7 @@ class IndexReader:
         for s, shard in loaded.items():
             assert shard.lists is not None
             params = faiss.SearchParametersIVF()
-            mask = allow(s, shard) if allow is not None else None
+            mask = self._mask(s, shard, allow)
             keep: Any = None
             if mask is not None:
                 if not mask.any():
@@ -335,7 +379,7 @@ class IndexReader:
                 params.sel, keep = bitmap_selector(mask)
             table = shard.lists.table
             firsts = {n_: int(table.firsts[n_ - table.list_start]) for n_ in resident[s]}
-            assign = np.where(shard_of == s, lists, -1)
+            assign = np.where(held[s], lists, -1)
             dist, rows = search_lists(shard.lists.codec, shard.lists.trained, queries, assign, resident[s], firsts,
                                       depth, params)  # fmt: skip
             del keep

@@ -25,6 +25,10 @@ class IndexBuildSettings(BaseSettings):
     codec: str = Field("flat", pattern=r"^(flat|sq8|sq4)$", description="how vectors are stored in the shards")
     reuse_centroids: bool = Field(False, description="assign to the last build's centroids unless they drifted")
     drift_threshold: float = Field(0.10, ge=0, description="retrain above this quantization-error growth")
+    max_delta: float = Field(
+        0.10, ge=0, le=1, description="with reuse_centroids: build incrementally while at most this share changed"
+    )
+    full: bool = Field(False, description="with reuse_centroids: rewrite every shard even when a delta would do")
     keep: int | None = Field(None, ge=1, description="keep only the newest N versions (after gc_grace)")
     gc_grace: float = Field(DEFAULT_GC_GRACE_S, ge=0, description="seconds a replaced version is kept for readers")
     store_patience: float = Field(300.0, ge=0, description="seconds a started build retries an unreachable store")

@@ -34,6 +34,15 @@ class FileRows:
 
 
 @dataclass(frozen=True)
+class Changes:
+    """What changed after an earlier snapshot, given by its writers' last commit numbers."""
+
+    touched: pa.ChunkedArray  # chunk ids with any row (upsert or delete) committed after it, unique
+    live: tuple[FileRows, ...]  # the live rows of those chunks now
+    count: int  # rows in ``live``
+
+
+@dataclass(frozen=True)
 class Snapshot:
     lake: Lake
     version: int
@@ -44,6 +53,28 @@ class Snapshot:
     #: each lake writer's last commit number in the snapshot: the rows after it are exactly
     #: those with a greater ``writer_seq`` (how a tail is rebuilt once the log is cleaned up)
     writer_seqs: dict[str, int] = field(default_factory=dict)
+    #: rows (of any op) without a writer tag: older lakes' rows, invisible to ``writer_seqs``
+    untagged_rows: int = 0
+    #: (chunk_id, writer, writer_seq) of every row, and (chunk_id, _file, _row) of the live ones
+    _meta: pa.Table | None = field(default=None, repr=False, compare=False)
+    _live: pa.Table | None = field(default=None, repr=False, compare=False)
+
+    def changes_since(self, writer_seqs: dict[str, int]) -> Changes:
+        """The chunks with rows committed after the snapshot that ``writer_seqs`` describes
+        (writers it does not name: all their rows), and the live rows of those chunks now."""
+        assert self._meta is not None and self._live is not None, "a snapshot from plan() knows its rows"
+        writer = pc.field("writer")
+        after = pc.invert(writer.isin(list(writer_seqs))) if writer_seqs else pc.scalar(True)
+        for name, seq in writer_seqs.items():
+            after = after | ((writer == name) & (pc.field("writer_seq") > seq))
+        touched = pc.unique(self._meta.filter(after & writer.is_valid()).column("chunk_id"))
+        live = self._live.filter(pc.is_in(self._live.column("chunk_id"), touched))
+        return Changes(pa.chunked_array([touched]), _by_file(live), live.num_rows)
+
+    def restricted(self, files: tuple[FileRows, ...]) -> Snapshot:
+        """The same snapshot, reading only ``files``' rows (a delta for builders)."""
+        return Snapshot(self.lake, self.version, self.model, self.dim, sum(len(f.rows) for f in files), files,
+                        self.writer_seqs, self.untagged_rows)  # fmt: skip
 
     def partitions(self, n: int) -> list[list[FileRows]]:
         """Files spread over n partitions, balanced by live rows (largest first)."""
@@ -71,7 +102,9 @@ def plan(lake: Lake, version: int | None = None) -> Snapshot:
     dataset = table.to_pyarrow_dataset()
     pieces = []
     for fragment in dataset.get_fragments():
-        meta = fragment.to_table(columns=["chunk_id", "position", "ingest_time", "op", "model", "writer", "writer_seq"])
+        meta = as_chunks_types(
+            fragment.to_table(columns=["chunk_id", "position", "ingest_time", "op", "model", "writer", "writer_seq"])
+        )
         n = meta.num_rows
         meta = meta.append_column("_file", pa.array([fragment.path] * n, pa.string()))
         pieces.append(meta.append_column("_row", pa.array(np.arange(n, dtype=np.int64))))
@@ -90,11 +123,32 @@ def plan(lake: Lake, version: int | None = None) -> Snapshot:
         )
     model = str(models.pop())
     dim = int(model.rsplit("/", 1)[1])
+    return Snapshot(
+        lake, table.version(), model, dim, live.num_rows, _by_file(live), writer_seqs(meta),
+        meta.num_rows - pc.count(meta.column("writer")).as_py(),
+        meta.select(["chunk_id", "writer", "writer_seq"]), live.select(["chunk_id", "_file", "_row"]),
+    )  # fmt: skip
+
+
+def as_chunks_types(table: pa.Table) -> pa.Table:
+    """The columns cast to the ``chunks`` schema's types where a file differs: files that
+    deltalake itself rewrote (a DELETE, a compaction) may hold ``string_view`` columns, which
+    do not concatenate with the lake writer's ``string`` ones."""
+    fields = [
+        CHUNKS_SCHEMA.field(f.name)
+        if f.name in CHUNKS_SCHEMA.names and f.type != CHUNKS_SCHEMA.field(f.name).type
+        else f
+        for f in table.schema
+    ]
+    target = pa.schema(fields)
+    return table if target == table.schema else table.cast(target)
+
+
+def _by_file(live: pa.Table) -> tuple[FileRows, ...]:
     by_file: dict[str, list[int]] = {}
     for path, row in zip(live.column("_file").to_pylist(), live.column("_row").to_pylist(), strict=True):
         by_file.setdefault(path, []).append(int(row))
-    files = tuple(FileRows(p, tuple(sorted(r))) for p, r in sorted(by_file.items()))
-    return Snapshot(lake, table.version(), model, dim, live.num_rows, files, writer_seqs(meta))
+    return tuple(FileRows(p, tuple(sorted(r))) for p, r in sorted(by_file.items()))
 
 
 def writer_seqs(rows: pa.Table) -> dict[str, int]:
@@ -167,7 +221,7 @@ def load_partition(lake: Lake, version: int, files: list[FileRows]) -> Partition
         if rows is None:
             continue
         present = [c for c in ROW_COLUMNS if c in dataset.schema.names]  # lakes older than a column lack it
-        data = fragment.to_table(columns=[*present, "embedding"]).take(pa.array(rows, pa.int64()))
+        data = as_chunks_types(fragment.to_table(columns=[*present, "embedding"])).take(pa.array(rows, pa.int64()))
         for name in ROW_COLUMNS:
             if name not in present:
                 data = data.append_column(

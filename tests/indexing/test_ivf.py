@@ -254,7 +254,10 @@ def test_reuse_centroids_until_the_data_drifts(tmp_path: Path, ray_local: None) 
     writer.write(chunk_rows(x[:200] * 1.0, start=10_000))
     second = build_index(plan(lake), store.root, NONE, opts)
     publish(store, second)
-    assert second.stats.get("reused_from_version") == 1 and "retrained_reason" not in second.stats
+    assert second.stats["incremental"] and second.stats["base_version"] == 1  # few changes: a delta
+    assert second.centroids == first.centroids and second.stats["drift"] < opts.drift_threshold
+    full = build_index(plan(lake), store.root, NONE, dataclasses.replace(opts, incremental=False))
+    assert full.stats.get("reused_from_version") == 2 and "retrained_reason" not in full.stats
     # A new topic arrives: quantization error jumps, so the builder retrains.
     rng = np.random.default_rng(9)
     shifted = rng.standard_normal((3000, x.shape[1])).astype(np.float32)

@@ -94,6 +94,17 @@ def test_recall_with_exact_rerank_matches_the_float_index(indexes) -> None:  # t
     assert np.allclose(np.square(v - queries[0]).sum(axis=1), exact_d[:3], atol=1e-4)
 
 
+def test_a_batch_of_queries_answers_as_each_query_alone(indexes) -> None:  # type: ignore[no-untyped-def]
+    """Each shard holds fewer lists than a query probes: faiss clamps its probes per query to
+    the lists it was given, which once made every query after a batch's first read another's."""
+    _, sq8, x = indexes
+    reader = IndexReader(LocalStore(str(sq8)))
+    assert max(s.list_end - s.list_start for s in reader.manifest.shards) < 32
+    batch = reader.search(x[:6], 10, nprobe=32)
+    assert batch == [reader.search(q[None, :], 10, nprobe=32)[0] for q in x[:6]]
+    assert all(len(hits) == 10 for hits in batch)
+
+
 def test_a_query_fetches_only_the_lists_it_probes(indexes, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     import indexing.reader as reader_mod
     from indexing.store import coalesce

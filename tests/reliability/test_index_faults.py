@@ -21,12 +21,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexing.manifest import get_verified, load_manifest, versions
+from indexing.manifest import collect_garbage, get_verified, load_manifest, versions
 from indexing.reader import IndexReader
 from indexing.store import ObjectStore, open_store
+from pipelines.lake import CHUNKS, Lake
+from pipelines.lake_writer import LakeWriter
 from pipelines.storage import ObjectStoreSettings
 from tests.faultproxy import FaultProxy
-from tests.indexing.lakes import synthetic_lake
+from tests.indexing.lakes import chunk_rows, synthetic_lake
 from tests.integration.helpers import kill_group, start
 from tests.integration.test_index_build import _ray_processes
 
@@ -50,14 +52,14 @@ class Rig:
         return ["index", "build", "--lake", self.lake, "--index", self.index, "--nlist", "32", "--iterations", "3",
                 "--shard-mb", "0.05", "--json"]  # fmt: skip
 
-    def start(self) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    def start(self, *extra: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
         self.builds += 1
         scratch = Path(tempfile.mkdtemp(prefix="srf-", dir="/tmp"))  # Ray's socket paths must stay short
         log = self.tmp / f"build-{self.builds}.log"
-        return start(self.args(), {**self.env, "TMPDIR": str(scratch)}, log), log, scratch
+        return start([*self.args(), *extra], {**self.env, "TMPDIR": str(scratch)}, log), log, scratch
 
-    def run(self, timeout: float = 300) -> tuple[dict, str]:  # type: ignore[type-arg]
-        proc, log, _ = self.start()
+    def run(self, *extra: str, timeout: float = 300) -> tuple[dict, str]:  # type: ignore[type-arg]
+        proc, log, _ = self.start(*extra)
         proc.wait(timeout)
         text = log.read_text()
         assert proc.returncode == 0, text[-3000:]
@@ -96,9 +98,9 @@ class Readers:
                 for v in versions(self.store):
                     if v not in self.verified:
                         m = load_manifest(self.store, v)
-                        for ref in [m.centroids, *(f for s in m.shards for f in (s.index, s.ids))]:
-                            get_verified(self.store, ref)  # every file there, and intact
-                        assert sum(s.count for s in m.shards) == m.count == N, (v, m.count)
+                        for ref in m.files():
+                            get_verified(self.store, ref)  # every file there (its own or shared), and intact
+                        assert sum(s.live for s in m.shards) == m.count == N, (v, m.count)
                         self.verified.add(v)
                 reader = IndexReader(self.store)
                 hits = reader.search(query, 5, nprobe=8)
@@ -195,3 +197,42 @@ def test_s3_gone_for_10s_during_a_build_or_publish_the_build_waits_and_publishes
     assert rig.latest_hint() == 2 and summary["count"] == N
     assert not readers.errors, readers.errors[:5]
     assert readers.seen == {1, 2} and readers.verified == {1, 2}
+
+
+def test_an_incremental_build_killed_anywhere_leaves_readers_on_complete_versions(rig: Rig) -> None:
+    """Killed while writing its delta or while publishing: readers stay on complete versions,
+    the next incremental build publishes, and garbage collection then keeps what it shares."""
+    incremental = ("--reuse-centroids",)
+    assert rig.run(*incremental)[0]["version"] == 1
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((300, 32)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    writer = LakeWriter(Lake.at(rig.lake), CHUNKS, "changes", None)
+    later = "pg:00000000000000999999"
+    writer.write(chunk_rows(x[:200], start=1000, position=later))  # updates
+    writer.write(chunk_rows(x[200:250], start=5000, op="delete", position=later))
+    writer.write(chunk_rows(x[250:], start=N))  # as many new chunks: N live chunks still
+    readers = Readers(rig.direct)
+    try:
+        for line in (f"PUT /{rig.bucket}/idx/builds/", f"PUT /{rig.bucket}/idx/versions/"):
+            trap = rig.proxy.set_trap(line.encode(), "hold")
+            proc, log, scratch = rig.start(*incremental)
+            assert trap.hit.wait(300), log.read_text()[-3000:]
+            rig.kill(proc, scratch)
+            assert versions(rig.direct) == [1] and IndexReader(rig.direct).manifest.version == 1
+        summary, _ = rig.run(*incremental)
+        stats = summary["stats"]
+        assert summary["version"] == 2 and stats["incremental"] and stats["base_version"] == 1, stats
+        assert stats["changed_chunks"] == 300 and stats["dead_rows"] == 250 and stats["delta_rows"] == 250
+        readers.wait_for(2)
+        assert rig.run(*incremental, "--full")[0]["version"] == 3
+        readers.wait_for(3)
+    finally:
+        readers.stop()
+    assert not readers.errors, readers.errors[:5]
+    assert readers.verified == {1, 2, 3} and 3 in readers.seen
+    # Collection down to the full build: the base goes with the last version that names it.
+    older = {f.key for v in (1, 2) for f in load_manifest(rig.direct, v).files()}
+    assert collect_garbage(rig.direct, keep=1, grace_s=0) == [1, 2]
+    left, named = set(rig.direct.list("builds/")), {f.key for f in load_manifest(rig.direct, 3).files()}
+    assert named <= left and not (older - named) & left

@@ -37,9 +37,10 @@ def random_acl(rng: random.Random) -> tuple[str, ...]:
     return tuple(sorted(rng.sample(GROUPS, rng.randint(1, 2))))
 
 
-@pytest.fixture(scope="module", params=["flat", "sq8"])
+@pytest.fixture(scope="module", params=["flat", "sq8", "sq8-incremental"])
 def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, ray_local: None):  # type: ignore[no-untyped-def]
-    """The same world indexed as float IVF and as range-read, scalar-quantized lists."""
+    """The same world indexed as float IVF, as range-read scalar-quantized lists, and as
+    those lists built incrementally (shared shards with dead rows, plus a delta)."""
     tmp = tmp_path_factory.mktemp("acl")
     rng = random.Random(5)
     embedder = FakeEmbedder(dim=32)
@@ -47,12 +48,26 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     docs = [Doc(pk, " ".join(f"w{rng.randrange(60)}" for _ in range(6)), random_acl(rng)) for pk in range(500)]
     lake.write(docs)
     store = LocalStore(str(tmp / "index"))
-    opts = BuildOptions(nlist=20, iterations=5, shard_bytes=10_000, progress=False, codec=request.param)
+    codec, _, incremental = request.param.partition("-")
+    opts = BuildOptions(nlist=20, iterations=5, shard_bytes=10_000, progress=False, codec=codec, reuse_centroids=True)
     publish(store, build_index(plan(lake.lake), store.root, ObjectStoreSettings(), opts))
-    # After the index: re-permissioned documents, deletes and new documents, in the tail.
-    lake.write([Doc(d.pk, d.text, random_acl(rng)) for d in docs[:40]])
-    lake.write(docs[40:60], op="delete")
-    lake.write([Doc(1000 + i, " ".join(f"w{rng.randrange(60)}" for _ in range(6)), random_acl(rng)) for i in range(30)])
+    # After the index: re-permissioned documents, deletes and new documents, in the tail
+    # (incremental: the first half of each in a new index version that shares the first one's shards).
+    repermissioned = [Doc(d.pk, d.text, random_acl(rng)) for d in docs[:40]]
+    added = [Doc(1000 + i, " ".join(f"w{rng.randrange(60)}" for _ in range(6)), random_acl(rng)) for i in range(30)]
+    if incremental:
+        lake.write(repermissioned[:20])
+        lake.write(docs[40:50], op="delete")
+        lake.write(added[:15])
+        manifest = build_index(plan(lake.lake), store.root, ObjectStoreSettings(), opts)
+        assert manifest.stats["incremental"] and manifest.stats["dead_rows"] == 30
+        publish(store, manifest)
+        repermissioned, added = repermissioned[20:], added[15:]
+        lake.write(docs[50:60], op="delete")
+    else:
+        lake.write(docs[40:60], op="delete")
+    lake.write(repermissioned)
+    lake.write(added)
     engines = {}
     for name, nprobe in (("default", 2), ("exhaustive", 20)):
         engine = SearchEngine(lake.lake, store, embedder, None, EngineOptions(nprobe=nprobe))
@@ -101,9 +116,11 @@ def history(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     docs = {pk: Doc(pk, " ".join(f"w{rng.randrange(40)}" for _ in range(5)), random_acl(rng)) for pk in range(200)}
     indexed_at = lake.write(list(docs.values()))
     store = LocalStore(str(tmp / "index"))
-    opts = BuildOptions(nlist=10, iterations=5, shard_bytes=6_000, progress=False, codec=request.param)
+    # Builds during the test are incremental while at most a third of the chunks changed since the last full one.
+    opts = BuildOptions(nlist=10, iterations=5, shard_bytes=6_000, progress=False, codec=request.param,
+                        reuse_centroids=True, max_delta=0.33)  # fmt: skip
     publish(store, build_index(plan(lake.lake), store.root, ObjectStoreSettings(), opts))
-    return lake, store, embedder, docs, indexed_at
+    return lake, store, embedder, docs, indexed_at, opts
 
 
 def _check(engine: SearchEngine, lake: DocLake, query: str, k: int, who: Principal, as_of: int | None) -> None:
@@ -124,6 +141,7 @@ def _check(engine: SearchEngine, lake: DocLake, query: str, k: int, who: Princip
         st.one_of(
             st.tuples(st.just("commit"), st.integers(0, 2**31)),
             st.just(("restart", 0)),
+            st.just(("build", 0)),
             st.tuples(st.just("live"), st.integers(0, 2**31)),
             st.tuples(st.just("as_of"), st.integers(0, 2**31)),
         ),
@@ -135,8 +153,9 @@ def test_as_of_live_queries_and_restarts_interleaved_never_leak(history, steps: 
     """Commits (re-permissions, deletes, re-creations, rewrites), replica restarts between
     them, and live and ``as_of`` queries in any order: every answer is the oracle's at its
     version. Each restart reads every commit since the index in one poll, so ``as_of`` tails
-    and the live tail often cover different ranges of one base version."""
-    lake, store, embedder, docs, indexed_at = history
+    and the live tail often cover different ranges of one base version. Index builds in
+    between are mostly incremental: their versions share shards, each with its own dead rows."""
+    lake, store, embedder, docs, indexed_at, opts = history
     engine = SearchEngine(lake.lake, store, embedder, None, EngineOptions(nprobe=2))
     engine.start(background=False)
     for kind, seed in steps:
@@ -157,6 +176,9 @@ def test_as_of_live_queries_and_restarts_interleaved_never_leak(history, steps: 
             docs.update({d.pk: d for d in changed})
             assert engine._tail is not None
             engine._tail.poll()
+        elif kind == "build":
+            publish(store, build_index(plan(lake.lake), store.root, ObjectStoreSettings(), opts))
+            engine.check_for_new_index()
         elif kind == "restart":
             engine = SearchEngine(lake.lake, store, embedder, None, EngineOptions(nprobe=2))
             engine.start(background=False)
