@@ -17,6 +17,9 @@ Sections
   included) vs that full build and vs a full rewrite on the same centroids: seconds, bytes
   written, recall@10 at the default nprobe of both. Targets: <= 5% of the bytes and <= 10%
   of the time of a full build.
+- scale (not in the default run): a lake of --n vectors written in blocks (the harness
+  never holds them), then ``index build`` with each --executor: time, and peak RSS of the
+  largest process and of all, against one partition plus the k-means sample.
 - kmeans: distributed k-means on local Ray (the builder's code path) vs single-process
   ``faiss.Kmeans`` at the same nlist and iterations: wall time, peak RSS of all processes,
   objective ratio. Targets: <= 1.3x time, objective within 1%.
@@ -95,10 +98,12 @@ def recall(found: list[list[int]], truth: np.ndarray) -> float:
 
 
 class PeakRSS:
-    """Peak resident memory of this process and all its children, sampled every 0.2 s."""
+    """Peak resident memory of this process and all its children (together, and of the
+    largest single process), sampled every 0.2 s."""
 
     def __init__(self) -> None:
         self.peak = 0
+        self.peak_process = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -108,9 +113,11 @@ class PeakRSS:
             total = 0
             for p in [me, *me.children(recursive=True)]:
                 try:
-                    total += p.memory_info().rss
+                    rss = p.memory_info().rss
                 except psutil.Error:
-                    pass
+                    continue
+                total += rss
+                self.peak_process = max(self.peak_process, rss)
             self.peak = max(self.peak, total)
             time.sleep(0.2)
 
@@ -174,6 +181,44 @@ def bench_build(x: np.ndarray, nlist: int, iters: int, work: Path, executors: li
              build_peak_rss_mb=round(ours_mem.peak / 2**20), faiss_peak_rss_mb=round(ref_mem.peak / 2**20),
              objective_ratio=round(st["kmeans_objective"] / ref_obj, 4),
              targets="speedup >= 10x single-process faiss; objective against its flat k-means")  # fmt: skip
+
+
+def bench_scale(n: int, dim: int, nlist: int, iters: int, work: Path, executors: list[str]) -> None:
+    """``index build`` of a lake too big to hold twice: vectors generated and written in
+    blocks (the harness never holds them), then each executor's build with its peak memory,
+    per process and in all, against what one partition plus the k-means sample take."""
+    lake = Lake.at(str(work / "scale-lake"))
+    lake.ensure_tables(1)
+    writer = LakeWriter(lake, CHUNKS, "bench", None)
+    block = 250_000
+    for at in range(0, n, block):
+        x = synthetic(min(block, n - at), dim, topics=4 * nlist, seed=at)
+        writer.write(chunk_rows(x, start=at))
+        del x
+    harness = psutil.Process().memory_info().rss  # imports and the lake writer, before any build
+    for executor in executors:
+        store = LocalStore(str(work / f"scale-index-{executor}"))
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            snap = plan(lake)
+            opts = BuildOptions(nlist, iters, progress=False, executor=executor, ray_dir=str(work / "ray"))
+            manifest = build_index(snap, store.root, ObjectStoreSettings(), opts)
+            elapsed = time.perf_counter() - t0
+            ray = sys.modules.get("ray")
+            if ray is not None and ray.is_initialized():
+                ray.shutdown()
+        st = manifest.stats
+        # in-process, the one process holds every partition (and the harness: subtracted)
+        partition = n * dim * 4 / (st["partitions"] if executor == "ray" else 1)
+        sample = (st.get("kmeans_sample") or 0) * dim * 4
+        process = mem.peak_process - (harness if executor == "local" else 0)
+        emit(bench="index_build_scale", n=n, dim=dim, nlist=nlist, executor=executor, partitions=st["partitions"],
+             shards=len(manifest.shards), build_s=round(elapsed, 1), stages=st["timings"], kmeans=st.get("kmeans"),
+             partitions_per_process_mb=round(partition / 2**20), sample_mb=round(sample / 2**20),
+             harness_rss_mb=round(harness / 2**20), peak_process_rss_mb=round(mem.peak_process / 2**20),
+             peak_total_rss_mb=round(mem.peak / 2**20),
+             process_over_partitions_plus_sample=round(process / (partition + sample), 2),
+             target="peak memory per process bounded by its partition plus the sample")  # fmt: skip
 
 
 def change_lake(lake: Lake, x: np.ndarray, share: float, seed: int = 7) -> int:
@@ -401,7 +446,8 @@ def bench_peer(x: np.ndarray, queries: np.ndarray, nlist: int, iters: int, pytho
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["build", "incremental", "kmeans", "recall", "peer", "gpu"], action="append")
+    sections_all = ["build", "incremental", "scale", "kmeans", "recall", "peer", "gpu"]
+    parser.add_argument("--only", choices=sections_all, action="append")
     parser.add_argument("--changed", type=float, default=0.01, help="incremental: share of the chunks changed")
     parser.add_argument("--corpus", choices=["synthetic", "pydocs"], default="synthetic")
     parser.add_argument("--n", type=int, default=200_000, help="synthetic vectors")
@@ -417,10 +463,13 @@ def main() -> None:
     parser.add_argument("--gpu-n", type=int, default=10_000_000)
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     args = parser.parse_args()
-    sections = set(args.only or ["build", "incremental", "kmeans", "recall", "peer", "gpu"])
+    sections = set(args.only or ["build", "incremental", "kmeans", "recall", "peer", "gpu"])  # not "scale"
     TAGS["corpus"] = args.corpus
     with tempfile.TemporaryDirectory(prefix="streamrag-ibench-") as tmp:
         work = Path(tmp)
+        if "scale" in sections:  # its own lake, written in blocks: run it alone (--only scale --n 5000000)
+            bench_scale(args.n, args.dim, args.nlist or choose_nlist(args.n), args.iterations, work, args.executor)
+            sections.discard("scale")
         if sections - {"gpu"}:
             if args.corpus == "pydocs":
                 corpus = embedded_pydocs()

@@ -35,6 +35,7 @@ import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from tqdm import tqdm
 
 from indexing.distributed import LocalPartitions, RayData, choose_executor, start_ray
 from indexing.kmeans import (
@@ -137,19 +138,18 @@ def _bounds(part: Partition) -> tuple[np.ndarray, np.ndarray]:
     return part.vectors.min(axis=0), part.vectors.max(axis=0)
 
 
-def _blocks(part: Partition, ranges: list[tuple[int, int]], remote: bool) -> list[Any]:
-    """This partition's rows of each shard: Ray objects when ``remote`` (handed to shard
-    tasks directly), else the tuples themselves."""
+def _block(part: Partition, start: int, end: int) -> tuple[np.ndarray, np.ndarray, pa.Table]:
+    """This partition's rows of lists [start, end): vectors, labels, row metadata (copies)."""
     assert part.labels is not None
-    blocks = []
-    for start, end in ranges:
-        sel = np.flatnonzero((part.labels >= start) & (part.labels < end))
-        blocks.append((part.vectors[sel], part.labels[sel], part.rows.take(pa.array(sel))))
-    if not remote:
-        return blocks
+    sel = np.flatnonzero((part.labels >= start) & (part.labels < end))
+    return part.vectors[sel], part.labels[sel], part.rows.take(pa.array(sel))
+
+
+def _remote_blocks(part: Partition, ranges: list[tuple[int, int]]) -> list[Any]:
+    """This partition's rows of each shard as Ray objects (handed to shard tasks directly)."""
     import ray
 
-    return [ray.put(b) for b in blocks]
+    return [ray.put(_block(part, start, end)) for start, end in ranges]
 
 
 @dataclass(frozen=True)
@@ -337,15 +337,40 @@ def write_shards(
     nlist: int, dim: int, codec: Codec | None, progress: bool,
 ) -> list[ShardRef]:  # fmt: skip
     """The shards of list ranges, built by tasks that receive their rows straight from the
-    partitions (labels assigned) and write them to the store."""
-    per_part = data.map(_blocks, ranges, data.remote)  # [partition][shard] → blocks (Ray refs on Ray)
-    calls = [
-        (store_uri, settings, prefix, start, end, nlist, dim, codec, *[blocks[i] for blocks in per_part])
-        for i, (start, end) in enumerate(ranges)
-    ]
-    del per_part
-    shards: list[ShardRef] = data.run(build_shard, calls, "shards", progress)
+    partitions (labels assigned) and write them to the store.
+
+    A shard's rows are gathered only when it is about to be built, a few shards at a time
+    (two per core on Ray, one per thread in-process), so a build holds its partitions plus
+    the shards in flight, never a second copy of all the vectors."""
+    if isinstance(data, LocalPartitions):
+        calls = [(data.parts, store_uri, settings, prefix, start, end, nlist, dim, codec) for start, end in ranges]
+        local: list[ShardRef] = data.run(_local_shard, calls, "shards", progress)
+        return local
+    import ray
+
+    wave = max(1, 2 * int(ray.cluster_resources().get("CPU", 1)))  # type: ignore[no-untyped-call]
+    shards: list[ShardRef] = []
+    with tqdm(total=len(ranges), desc="shards", disable=not progress, leave=False) as bar:
+        for at in range(0, len(ranges), wave):
+            batch = ranges[at : at + wave]
+            per_part = data.map(_remote_blocks, batch)  # [partition][shard] → Ray refs
+            calls = [
+                (store_uri, settings, prefix, start, end, nlist, dim, codec, *[blocks[i] for blocks in per_part])
+                for i, (start, end) in enumerate(batch)
+            ]
+            del per_part
+            shards.extend(data.run(build_shard, calls, "shards", False))
+            bar.update(len(batch))
     return shards
+
+
+def _local_shard(
+    parts: list[Partition], store_uri: str, settings: ObjectStoreSettings, prefix: str, start: int, end: int,
+    nlist: int, dim: int, codec: Codec | None,
+) -> ShardRef:  # fmt: skip
+    """A shard built in this process from the partitions' rows of its lists (copied only now)."""
+    blocks = [_block(p, start, end) for p in parts]
+    return build_shard(store_uri, settings, prefix, start, end, nlist, dim, codec, *blocks)
 
 
 def build_index(
