@@ -212,24 +212,38 @@ def rows_committed(lake: Lake, after: int, until: int) -> int | None:
 
 
 def load_partition(lake: Lake, version: int, files: list[FileRows]) -> Partition:
-    """Read one partition's live rows (vectors + metadata) straight from the lake files."""
+    """Read one partition's live rows (vectors + metadata) straight from the lake files.
+
+    File by file, each file's vectors copied into one array sized for the partition: the
+    peak is the partition plus one file's rows, never a second copy of the partition."""
     dataset = lake.table(CHUNKS, version).to_pyarrow_dataset()
     wanted = {f.path: f.rows for f in files}
-    tables = []
+    present = [c for c in ROW_COLUMNS if c in dataset.schema.names]  # lakes older than a column lack it
+    total = sum(len(rows) for rows in wanted.values())
+    vectors: np.ndarray | None = None
+    tables, at = [], 0
     for fragment in dataset.get_fragments():
         rows = wanted.get(fragment.path)
         if rows is None:
             continue
-        present = [c for c in ROW_COLUMNS if c in dataset.schema.names]  # lakes older than a column lack it
-        data = as_chunks_types(fragment.to_table(columns=[*present, "embedding"])).take(pa.array(rows, pa.int64()))
+        data = as_chunks_types(fragment.to_table(columns=[*present, "embedding"]))
+        if len(rows) != data.num_rows:  # rows are sorted and unique: as many as the file holds means all of them
+            data = data.take(pa.array(rows, pa.int64()))
+        block = embeddings(data)
+        if vectors is None:
+            vectors = np.empty((total, block.shape[1]), np.float32)
+        vectors[at : at + len(block)] = block
+        at += len(block)
+        del block
+        data = data.drop_columns(["embedding"])
         for name in ROW_COLUMNS:
             if name not in present:
                 data = data.append_column(
                     CHUNKS_SCHEMA.field(name), pa.nulls(data.num_rows, CHUNKS_SCHEMA.field(name).type)
                 )
-        tables.append(data.select([*ROW_COLUMNS, "embedding"]))
+        tables.append(data.select(ROW_COLUMNS))
     if len(tables) != len(wanted):
         raise LakeError(f"{len(wanted) - len(tables)} lake files of version {version} were not found.")
-    table = pa.concat_tables(tables)
-    vectors = embeddings(table)
-    return Partition(np.ascontiguousarray(vectors, dtype=np.float32), table.drop_columns(["embedding"]))
+    if vectors is None:
+        vectors = np.zeros((0, 0), np.float32)
+    return Partition(vectors, pa.concat_tables(tables))

@@ -116,22 +116,8 @@ class Lake:
         return int(recorded) if recorded.isdigit() else writers
 
     def _add_missing_columns(self) -> None:
-        """Lakes made by older versions lack newer (nullable) columns: add them, keeping every row."""
-        from deltalake.schema import Field
-
         for name, schema in SCHEMAS.items():
-            table = self.table(name)
-            present = set(table.schema().to_arrow().names)
-            missing = [f for f in schema if f.name not in present]
-            if not missing:
-                continue
-            log.info("adding columns %s to the %s table", [f.name for f in missing], name)
-            try:
-                table.alter.add_columns([Field.from_arrow(f) for f in missing])
-            except Exception:  # another member of the job may have added them first
-                present = set(self.table(name).schema().to_arrow().names)
-                if any(f.name not in present for f in missing):
-                    raise
+            add_missing_columns(self, name, schema)
 
     def table(self, name: str, version: int | None = None) -> DeltaTable:
         try:
@@ -141,6 +127,24 @@ class Lake:
 
     def read(self, name: str, version: int | None = None, columns: list[str] | None = None) -> pa.Table:
         return self.table(name, version).to_pyarrow_table(columns=columns)
+
+
+def add_missing_columns(lake: Lake, name: str, schema: pa.Schema) -> None:
+    """Tables made by older versions lack newer (nullable) columns: add them, keeping every row."""
+    from deltalake.schema import Field
+
+    table = lake.table(name)
+    present = set(table.schema().to_arrow().names)
+    missing = [f for f in schema if f.name not in present]
+    if not missing:
+        return
+    log.info("adding columns %s to the %s table", [f.name for f in missing], name)
+    try:
+        table.alter.add_columns([Field.from_arrow(f) for f in missing])
+    except Exception:  # another process may have added them first
+        present = set(lake.table(name).schema().to_arrow().names)
+        if any(f.name not in present for f in missing):
+            raise
 
 
 def models_in(lake: Lake) -> set[str]:

@@ -1,5 +1,9 @@
 """Grounded answers: search → numbered sources → generator → validated citations → audit.
 
+Two styles: ``generate`` (a model writes the answer from the sources) and ``extract``
+(no model: the sources' sentences that best answer the question, ``serving.extractive``,
+each cited with its exact character span in the chunk).
+
 The caller's search runs first (ACLs applied there), so the prompt only ever holds text
 the caller may see; with nothing visible the answer is an explicit "no answer" and the
 generator is not called. Citations do not rely on the model: every answer sentence is
@@ -29,12 +33,14 @@ from retrieval.filters import MetadataFilter
 from retrieval.query_embedding import QueryEmbedder
 from retrieval.results import SearchResult, SourceRef
 from serving.citations import Attribution, attribute, is_code, strip_markers
+from serving.extractive import Extract, extract
 from serving.generator import Generator, GeneratorError
 from serving.prompt import Source, build_messages, prompt_hash
 
 log = logging.getLogger(__name__)
 
 NO_ANSWER = "I found no sources you are allowed to see that could answer this question."
+STYLES = ("generate", "extract")
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,10 @@ class AnswerOptions:
     marker_threshold: float = 0.3
     max_question_chars: int = 2000
     max_k: int = 20
+    #: the style of a request that names none
+    style: str = "generate"
+    #: most sentences in an extractive answer
+    extract_sentences: int = 3
 
 
 @dataclass
@@ -64,6 +74,7 @@ class Prepared:
     started: float
     retrieve_s: float
     timings: dict[str, float] = field(default_factory=dict)
+    style: str = "generate"
 
 
 class _Embeds:
@@ -80,7 +91,7 @@ class Answerer:
     def __init__(
         self,
         engine: SearchEngine,
-        generator: Generator,
+        generator: Generator | None,
         audit: AuditLog | None,
         generator_identity: str | None = None,
         options: AnswerOptions = AnswerOptions(),
@@ -93,8 +104,8 @@ class Answerer:
         self._identity = generator_identity
 
     @property
-    def generator_identity(self) -> str:
-        if self._identity is None:
+    def generator_identity(self) -> str | None:
+        if self._identity is None and self.generator is not None:
             self._identity = self.generator.model
         return self._identity
 
@@ -107,7 +118,13 @@ class Answerer:
         principal: Principal,
         as_of: int | None = None,
         where: MetadataFilter | None = None,
+        style: str | None = None,
     ) -> Prepared:
+        style = style or self.options.style
+        if style not in STYLES:
+            raise SearchError(f"style must be one of {', '.join(STYLES)}.")
+        if style == "generate" and self.generator is None:
+            raise SearchError('this service runs without a generator: ask with "style": "extract".', status=400)
         if not isinstance(question, str) or not question.strip():
             raise SearchError("question must be a non-empty string.")
         if len(question) > self.options.max_question_chars:
@@ -125,12 +142,15 @@ class Answerer:
         retrieve_s = time.perf_counter() - t0
         metrics.ANSWER_SECONDS.labels("retrieve").observe(retrieve_s)
         return Prepared(uuid.uuid4().hex, question, principal, k, as_of, result, sources, messages,
-                        prompt_hash(messages), t0, retrieve_s)  # fmt: skip
+                        prompt_hash(messages), t0, retrieve_s, style=style)  # fmt: skip
 
     def answer(self, p: Prepared) -> dict[str, Any]:
         """Generate without streaming; raises GeneratorError (after auditing the failure)."""
         if not p.sources:
             return self._finish(p, None, streamed=False)
+        if p.style == "extract":
+            return self._extracted(p, streamed=False)
+        assert self.generator is not None
         try:
             completion = self.generator.complete(p.messages)
             p.timings["first_token_s"] = time.perf_counter() - p.started  # not streamed: the whole text at once
@@ -147,6 +167,13 @@ class Answerer:
         if not p.sources:
             yield "done", self._finish(p, None, streamed=True)
             return
+        if p.style == "extract":  # found at once: each paragraph is one event, then the answer
+            done = self._extracted(p, streamed=True)
+            for i, paragraph in enumerate(done["answer"].split("\n\n")):
+                yield "token", {"text": ("\n\n" if i else "") + paragraph}
+            yield "done", done
+            return
+        assert self.generator is not None
         parts: list[str] = []
         try:
             for token in self.generator.stream(p.messages):
@@ -172,6 +199,35 @@ class Answerer:
 
     # -- results -----------------------------------------------------------------------------
 
+    def _extracted(self, p: Prepared, streamed: bool) -> dict[str, Any]:
+        """The extractive answer: verbatim spans of the sources, each cited with its span."""
+        results = p.result.results
+        t0 = time.perf_counter()
+        question = self.engine.queries.embed(p.question)
+        found = extract(question, [(s.n, r["text"]) for s, r in zip(p.sources, results, strict=True)],
+                        _Embeds(self.engine.queries), p.result.vectors, self.options.extract_sentences)  # fmt: skip
+        p.timings["first_token_s"] = time.perf_counter() - p.started
+        metrics.ANSWER_SECONDS.labels("extract").observe(time.perf_counter() - t0)
+        if not found:
+            return self._finish(p, None, streamed)
+        sentences = [
+            {"text": e.text, "sources": [e.n], "scores": {str(e.n): e.score}, "flagged": False,
+             "invalid_markers": [], "unsupported_markers": [], "span": [e.start, e.end]}
+            for e in found
+        ]  # fmt: skip
+        citations = []
+        for n in dict.fromkeys(e.n for e in found):
+            r = results[n - 1]
+            mine = [i for i, e in enumerate(found) if e.n == n]
+            citations.append({
+                "n": n, "chunk_id": r["chunk_id"], "doc_id": r["doc_id"], "title": r.get("title"),
+                "source": r["source"], "lake_version": r["lake_version"], "index_version": r["index_version"],
+                "support": max(found[i].score for i in mine), "sentences": mine,
+                "spans": [[found[i].start, found[i].end] for i in mine],
+            })  # fmt: skip
+        shown = _extract_text(found)
+        return self._payload(p, "answered", shown, None, citations, sentences, streamed)
+
     def _finish(self, p: Prepared, text: str | None, streamed: bool) -> dict[str, Any]:
         results = p.result.results
         if text is None:
@@ -183,7 +239,6 @@ class Answerer:
             attribution = attribute(text, p.sources, _Embeds(self.engine.queries), self.options.threshold,
                                     self.options.marker_threshold, p.result.vectors)  # fmt: skip
             status, shown = "answered", _with_citations(attribution) or text.strip()
-        total_s = time.perf_counter() - p.started
         citations = []
         for n in attribution.cited:
             r = results[n - 1]
@@ -200,10 +255,27 @@ class Answerer:
              "unsupported_markers": s.unsupported}
             for s in attribution.sentences
         ]  # fmt: skip
+        return self._payload(p, status, shown, text, citations, sentences, streamed)
+
+    def _payload(
+        self,
+        p: Prepared,
+        status: str,
+        shown: str,
+        text: str | None,
+        citations: list[dict[str, Any]],
+        sentences: list[dict[str, Any]],
+        streamed: bool,
+    ) -> dict[str, Any]:
+        """The answer as returned (and audited), whichever style made it."""
+        total_s = time.perf_counter() - p.started
+        results = p.result.results
         timings = _timings(p, total_s)
+        generated = text is not None
         payload: dict[str, Any] = {
             "answer_id": p.answer_id,
-            "no_answer": text is None,
+            "style": p.style,
+            "no_answer": status == "no_answer",
             "answer": shown,
             "raw_answer": text,
             "citations": citations,
@@ -219,13 +291,13 @@ class Answerer:
                 }
                 for s, r in zip(p.sources, results, strict=True)
             ],
-            "model": self.generator_identity if text is not None else None,
+            "model": self.generator_identity if generated else None,
             "lake_version": p.result.lake_version,
             "index_version": p.result.index_version,
             "timings": timings,
         }
         metrics.ANSWERS.labels(status).inc()
-        if text is not None:
+        if generated:
             self.last_error = None
         metrics.ANSWER_SECONDS.labels("total").observe(total_s)
         if "first_token_s" in p.timings:
@@ -278,10 +350,11 @@ class Answerer:
             "as_of": p.as_of,
             "lake_version": p.result.lake_version,
             "index_version": p.result.index_version,
+            "style": p.style,
             "embedder": str(self.engine.embedder.identity),
-            "generator": self._identity if status != "no_answer" else None,
-            "generator_url": self.generator.where,
-            "prompt_hash": p.prompt_hash if p.sources else None,
+            "generator": self._identity if status != "no_answer" and p.style == "generate" else None,
+            "generator_url": self.generator.where if self.generator is not None and p.style == "generate" else None,
+            "prompt_hash": p.prompt_hash if p.sources and p.style == "generate" else None,
             "streamed": streamed,
             **timings,
             "error": error,
@@ -316,6 +389,23 @@ def _with_citations(attribution: Attribution) -> str:
                 continue
         blocks.setdefault(s.block, []).append(text)
     return "\n\n".join(" ".join(parts) for _, parts in sorted(blocks.items()))
+
+
+def _extract_text(found: list[Extract]) -> str:
+    """Extracts as paragraphs, one per run of the same source, each sentence cited."""
+    paragraphs: list[list[str]] = []
+    last = None
+    for e in found:
+        if e.n != last:
+            paragraphs.append([])
+            last = e.n
+        paragraphs[-1].append(f"{e.plain}\n[{e.n}]" if e.plain.startswith("```") else _cite(e.plain, e.n))
+    return "\n\n".join(" ".join(p) for p in paragraphs)
+
+
+def _cite(sentence: str, n: int) -> str:
+    end = sentence[-1] if sentence[-1] in ".!?" else ""
+    return f"{sentence[: len(sentence) - len(end)]} [{n}]{end}"
 
 
 def _timings(p: Prepared, total_s: float) -> dict[str, float | None]:

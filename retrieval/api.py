@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -91,6 +91,12 @@ class AnswerRequest(BaseModel):
     stream: bool = Field(default=False, description="stream tokens as server-sent events")
     as_of: int | None = Field(default=None, ge=0, description="answer from the lake as of this version")
     filter: dict[str, Any] | None = Field(default=None, description=FILTER_HELP)
+    style: Literal["generate", "extract"] | None = Field(
+        default=None,
+        description="generate: a model writes the answer, its sentences checked against the sources; extract: "
+        "no model, the sources' sentences that best answer the question, each cited with its character span "
+        "(default: the service's --answer-style)",
+    )
 
 
 # The service's components reach routes as dependencies (set on ``app.state`` by
@@ -259,7 +265,14 @@ def create_app(
     )  # fmt: skip
     async def answer(body: AnswerRequest, who: Caller, answerer: AnswererDep) -> Response:
         prepared = await anyio.to_thread.run_sync(  # errors here are plain JSON
-            answerer.prepare, body.question, body.k, who, body.as_of, where(body.filter), limiter=answer_pool
+            answerer.prepare,
+            body.question,
+            body.k,
+            who,
+            body.as_of,
+            where(body.filter),
+            body.style,
+            limiter=answer_pool,
         )
         if body.stream:
             return StreamingResponse(

@@ -35,7 +35,7 @@ import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import SchemaMismatchError
 
-from pipelines.lake import Lake
+from pipelines.lake import Lake, add_missing_columns
 from retrieval import metrics
 from serving.retry import RetryCallState, retrying, stop_when
 
@@ -91,6 +91,7 @@ ANSWERS_SCHEMA = pa.schema(
         ("first_token_ms", pa.float64()),
         ("total_ms", pa.float64()),
         ("error", pa.string()),
+        ("style", pa.string()),  # generate | extract (null: written before extractive answers)
     ]
 )
 
@@ -103,6 +104,7 @@ def ensure_answers_table(lake: Lake) -> None:
         description="streamrag answers audit table",
         storage_options=lake.options,
     )
+    add_missing_columns(lake, ANSWERS, ANSWERS_SCHEMA)
 
 
 def now() -> datetime:

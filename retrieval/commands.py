@@ -83,6 +83,18 @@ def add_commands(sub: Any) -> None:
         "--no-answers", action="store_true", default=None, help="serve search and lineage only (no generator)"
     )
     p.add_argument(
+        "--answer-style",
+        choices=["generate", "extract"],
+        help="answers of requests that name no style: generate (default: a model writes them) or extract "
+        "(the sources' best sentences, each cited with its span; no model)",
+    )
+    p.add_argument(
+        "--no-generator",
+        action="store_true",
+        default=None,
+        help="start no model: /v1/answer gives extractive answers only",
+    )
+    p.add_argument(
         "--no-audit",
         action="store_true",
         default=None,
@@ -197,13 +209,23 @@ def _load_in_background(engine: Any, stop: threading.Event) -> None:
 
 def _answers(config: ServeSettings, engine: Any, stack: Any) -> Any:
     """The answerer (generator client + audit log), or None with --no-answers."""
-    from retrieval.answer import Answerer
+    from retrieval.answer import Answerer, AnswerOptions
     from retrieval.audit import AuditLog
     from serving.generator import Generator, GeneratorSettings
     from serving.local_generator import EmbeddedGenerator
 
     if config.no_answers:
         return None
+    audit = None
+    if config.no_audit:
+        log.warning("the audit log is off (--no-audit): answers will not be traceable")
+    else:
+        audit = AuditLog(engine.lake, dead_letter_path=config.audit_dead_letters)
+        audit.start()
+        stack.callback(audit.stop)  # drains: no audit record lost on a graceful stop
+    if config.no_generator:
+        log.info("no generator (--no-generator): answers are extractive")
+        return Answerer(engine, None, audit, options=AnswerOptions(style="extract"))
     identity = None
     url = config.generator_url
     if url is None:
@@ -218,14 +240,7 @@ def _answers(config: ServeSettings, engine: Any, stack: Any) -> Any:
     )  # fmt: skip
     generator = Generator(settings)
     stack.callback(generator.close)
-    audit = None
-    if config.no_audit:
-        log.warning("the audit log is off (--no-audit): answers will not be traceable")
-    else:
-        audit = AuditLog(engine.lake, dead_letter_path=config.audit_dead_letters)
-        audit.start()
-        stack.callback(audit.stop)  # drains: no audit record lost on a graceful stop
-    return Answerer(engine, generator, audit, identity)
+    return Answerer(engine, generator, audit, identity, AnswerOptions(style=config.answer_style))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -5,7 +5,8 @@ as a child process against the embedded broker and a local lake:
 
 1. publish the docs as Debezium snapshot events (``op: r``) of a ``docs`` table (a few
    documents restricted to the ``staff`` group), ingest them, build the index, serve;
-2. ask questions and print grounded answers with their citations;
+2. ask questions and print, for each, the extractive answer (the sources' own sentences, no
+   model) and the generated one, both with their citations;
 3. apply live changes (an update, a delete, a new document) and time how long each takes
    to show in search, without a rebuild;
 4. print the lineage chain of one answer, and show that a caller outside ``staff`` never
@@ -186,9 +187,9 @@ def pick_docs(corpus: Path, full: bool, limit: int | None) -> list[Doc]:
     return docs[:limit] if limit else docs
 
 
-def show_answer(answer: dict[str, Any]) -> None:
-    text = answer["answer"].replace("\n", "\n          ")  # continuation lines under the first
-    say(f"  answer: {text}")
+def show_answer(answer: dict[str, Any], label: str = "answer") -> None:
+    text = answer["answer"].replace("\n", "\n" + " " * (len(label) + 4))  # continuation lines under the first
+    say(f"  {label}: {text}")
     if answer["no_answer"]:
         return
     for c in answer["citations"]:
@@ -300,9 +301,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         answers = []
         for q in QUESTIONS:
             say(f"\n  Q: {q}")
-            answer = demo.post("/v1/answer", {"question": q, "k": 4})
+            # First the sources' own sentences (no model: every citation an exact span), then the model's answer.
+            show_answer(demo.post("/v1/answer", {"question": q, "k": 4, "style": "extract"}), "extracted")
+            answer = demo.post("/v1/answer", {"question": q, "k": 4, "style": "generate"})
             answers.append(answer)
-            show_answer(answer)
+            show_answer(answer, "generated")
         demo.timings["answer_p50_s"] = sorted(a["timings"]["total_ms"] for a in answers)[len(answers) // 2] / 1000
 
         heading("5. Live changes, no rebuild: update, delete, insert")

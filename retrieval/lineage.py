@@ -112,6 +112,7 @@ class Lineage:
             "groups": row["groups"],
             "question": row["question"],
             "status": row["status"],
+            "style": row.get("style") or "generate",  # rows from before extractive answers: generated
             "answer": row["answer"],
             "raw_answer": row["raw_answer"],
             "error": row["error"],

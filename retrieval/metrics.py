@@ -46,7 +46,7 @@ LAKE_VERSION = Gauge("streamrag_lake_version", "Newest lake version the service 
 INDEX_SWAPS = Counter("streamrag_index_swaps_total", "Switches to a newly published index version")
 ANSWER_SECONDS = Histogram(
     "streamrag_answer_seconds",
-    "Answer latency, by stage (retrieve, first_token, total)",
+    "Answer latency, by stage (retrieve, extract, first_token, total)",
     ["stage"],
     buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60),
 )

@@ -69,6 +69,8 @@ class Citation(Out):
     index_version: int
     support: float
     sentences: list[int]
+    #: extractive answers: [start, end) of each cited sentence in the chunk's text
+    spans: list[list[int]] | None = None
 
 
 class AnswerSentence(Out):
@@ -78,6 +80,8 @@ class AnswerSentence(Out):
     flagged: bool
     invalid_markers: list[int]
     unsupported_markers: list[int]
+    #: extractive answers: [start, end) of the sentence in its source's chunk text (verbatim)
+    span: list[int] | None = None
 
 
 class AnswerSource(Out):
@@ -90,6 +94,7 @@ class AnswerSource(Out):
 
 class AnswerResponse(Out):
     answer_id: str
+    style: Literal["generate", "extract"] = "generate"
     no_answer: bool
     answer: str
     raw_answer: str | None = None
@@ -165,6 +170,7 @@ class AnswerLineage(Out):
     groups: list[str] | None = None
     question: str
     status: str
+    style: Literal["generate", "extract"] = "generate"
     answer: str | None = None
     raw_answer: str | None = None
     error: str | None = None

@@ -61,6 +61,9 @@ class ServeSettings(EngineSettings):
     max_tokens: int = Field(256, ge=1, description="longest answer in tokens")
     generator_threads: int | None = Field(None, ge=1, description="CPU threads of the embedded generator")
     no_answers: bool = False
+    #: answers without a model: only ``style: extract``
+    no_generator: bool = False
+    answer_style: str = Field("generate", pattern=r"^(generate|extract)$", description="a request's default style")
     no_audit: bool = False
     audit_dead_letters: Path | None = None
     bootstrap: str | None = Field(None, description="Kafka bootstrap servers: follow the ingest job's commit notices")

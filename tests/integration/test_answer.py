@@ -201,6 +201,12 @@ def test_acl_outsiders_cannot_retrieve_answer_from_or_trace_a_restricted_documen
     hana = service.answer("When are executive payroll salaries reviewed?", auth=HANA, k=5).json()
     assert any(s["doc_id"].endswith(str(PAYROLL)) for s in hana["sources"])
     assert secret in service.proxy.prompts()[-1]
+    # An extractive answer quotes only what its caller may see, and quotes it exactly.
+    extracted = service.answer("When are executive payroll salaries reviewed?", k=5, style="extract")
+    assert extracted.status_code == 200 and secret not in extracted.text
+    assert all(not s["doc_id"].endswith(str(PAYROLL)) for s in extracted.json()["sources"])
+    quoted = service.answer("When are executive payroll salaries reviewed?", auth=HANA, k=5, style="extract").json()
+    assert quoted["style"] == "extract" and quoted["model"] is None and quoted["sentences"]
     # Lineage: bob can trace neither hana's answer nor the HR row; the auditor sees both.
     assert service.get(f"/v1/lineage/answers/{hana['answer_id']}").status_code == 404
     r = service.get(f"/v1/lineage/sources/public.docs/{PAYROLL}")

@@ -16,6 +16,7 @@ from retrieval.acl import Principal
 from retrieval.answer import NO_ANSWER, Answerer
 from retrieval.api import create_app
 from retrieval.audit import AuditLog
+from retrieval.errors import SearchError
 from retrieval.filters import MetadataFilter
 from retrieval.query_embedding import QueryEmbedder
 from retrieval.results import SearchResult, result_record
@@ -242,3 +243,48 @@ def test_filters_reach_the_search_and_bad_ones_are_a_422(audit: AuditLog) -> Non
         r = client.post("/v1/answer", json=body)
         assert r.status_code == 422 and "filter" in r.json()["error"], r.text
     audit.stop()
+
+
+LONG = [
+    "Penguins are flightless seabirds. They swim with their wings, which work as flippers. Most live in the south.",
+    "A glacier is a persistent body of dense ice. It moves under its own weight.",
+    "Espresso is coffee brewed under pressure. Penguins do not drink it.",
+]
+
+
+def test_an_extractive_answer_cites_verbatim_spans_and_calls_no_model(audit: AuditLog) -> None:
+    engine = StubEngine(LONG)
+    answerer = Answerer(engine, None, audit)  # type: ignore[arg-type]
+    who = Principal("bob", frozenset({"eng"}))
+    out = answerer.answer(answerer.prepare("How do penguins swim with their wings?", 3, who, style="extract"))
+    assert out["style"] == "extract" and out["model"] is None and not out["no_answer"] and not out["flagged"]
+    assert out["sentences"] and all(
+        LONG[s["sources"][0] - 1][s["span"][0] : s["span"][1]] == s["text"] for s in out["sentences"]
+    )  # every extract is exactly the span it cites
+    assert "They swim with their wings, which work as flippers [1]." in out["answer"]
+    assert out["citations"][0]["chunk_id"] == "c0"
+    assert all(c["spans"] and c["sentences"] for c in out["citations"])
+    events = list(answerer.stream(answerer.prepare("How do penguins swim?", 3, who, style="extract")))
+    assert [name for name, _ in events][-1] == "done" and events[0][0] == "token"
+    assert "".join(e["text"] for name, e in events if name == "token") == events[-1][1]["answer"]
+    with pytest.raises(SearchError, match="without a generator") as refused:
+        answerer.prepare("How do penguins swim?", 3, who, style="generate")
+    assert refused.value.status == 400
+    rows = audit_rows(audit)
+    assert [r["style"] for r in rows] == ["extract", "extract"] and rows[0]["answer"] == out["answer"]
+    assert rows[0]["generator"] is None and rows[0]["prompt_hash"] is None and rows[0]["generator_url"] is None
+    assert json.loads(rows[0]["sentences"])[0]["span"] == out["sentences"][0]["span"]
+
+
+def test_the_style_is_chosen_per_request_over_http(audit: AuditLog) -> None:
+    calls: list[dict[str, Any]] = []
+    engine = StubEngine(LONG)
+    answerer = Answerer(engine, scripted(LONG[0], calls), audit)  # type: ignore[arg-type]
+    client = TestClient(create_app(engine, None, answerer))  # type: ignore[arg-type]
+    extracted = client.post("/v1/answer", json={"question": "How do penguins swim?", "style": "extract"}).json()
+    assert extracted["style"] == "extract" and extracted["sentences"][0]["span"] and calls == []
+    generated = client.post("/v1/answer", json={"question": "How do penguins swim?"}).json()
+    assert generated["style"] == "generate" and len(calls) == 1 and generated["model"] == "m"
+    r = client.post("/v1/answer", json={"question": "q", "style": "poem"})
+    assert r.status_code == 422 and "style" in r.json()["error"]
+    assert [row["style"] for row in audit_rows(audit)] == ["extract", "generate"]

@@ -1,0 +1,51 @@
+"""Extractive answers: verbatim sentence spans, scored against the question."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from serving.extractive import extract, sentence_spans
+from serving.fake_embedder import FakeEmbedder
+
+DOC = """# Why are default values shared between objects?
+
+Default values are created exactly once, when the function is defined. If that object is
+changed, like a dictionary appended to, subsequent calls see the changed object.
+- Use None as the default ("no value given").
+- Then create a new list inside the function.
+
+```python
+def f(x=None):
+    x = [] if x is None else x
+```
+A trailing sentence without a full stop"""
+
+
+def test_spans_are_verbatim_sentences_items_and_whole_code_blocks() -> None:
+    spans = sentence_spans(DOC)
+    texts = [DOC[s.start : s.end] for s in spans]
+    assert [s.kind for s in spans] == ["heading", "text", "text", "text", "text", "code", "text"]
+    assert texts[1] == "Default values are created exactly once, when the function is defined."
+    assert texts[2].startswith("If that object is\nchanged") and texts[2].endswith("changed object.")
+    assert texts[3] == '- Use None as the default ("no value given").'
+    assert texts[5].startswith("```python") and texts[5].endswith("```")
+    assert texts[6] == "A trailing sentence without a full stop"
+    assert all(t == t.strip() and t for t in texts)
+
+
+def test_the_best_sentences_are_picked_in_reading_order_without_repeats() -> None:
+    embedder = FakeEmbedder(dim=64)
+    other = "Glaciers are slow rivers of ice. Default values are created exactly once, when the function is defined."
+    sources = [(1, DOC), (2, other)]
+    question = embedder.embed(["when are default values created"])[0]
+    found = extract(question, sources, embedder, limit=3, window=1.0)
+    assert found and all(dict(sources)[e.n][e.start : e.end] == e.text for e in found)
+    texts = [e.text for e in found]
+    assert texts.count("Default values are created exactly once, when the function is defined.") == 1  # no repeat
+    assert all(not t.startswith("#") for t in texts)  # headings are not answers
+    assert [(e.n, e.start) for e in found] == sorted((e.n, e.start) for e in found)
+    best = max(found, key=lambda e: e.score)
+    assert "created exactly once" in best.text
+    # Only spans close to the best one's score are kept.
+    assert len(extract(question, sources, embedder, limit=3, window=0.0)) == 1
+    assert extract(question, [], embedder) == [] and extract(np.zeros(64, np.float32), [(1, "")], embedder) == []
