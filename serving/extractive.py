@@ -1,7 +1,7 @@
 """Extractive answers: the sentences of the caller's sources that best answer the question.
 
-No generator: each candidate is a verbatim span of a source's chunk text (a sentence, a
-list item, or a fenced code block whole), scored by the embedding similarity of the span
+No generator: each candidate is a verbatim span of a source's chunk text (a sentence or a
+list item of its prose: headings and code are not quoted alone), scored by the embedding similarity of the span
 to the question, plus a share of its whole source's similarity (a sentence means more in
 a passage about the question). The best span is kept, and up to ``limit`` - 1 more that
 score within ``window`` of it and repeat none already kept, in reading order (by source,
@@ -46,51 +46,121 @@ class Extract:
 
 
 def sentence_spans(text: str) -> list[Span]:
-    """Sentences of a chunk text as character spans: paragraphs (blank-line separated, list
-    items and Markdown headings on their own) split at sentence ends; fenced code blocks whole."""
+    """Sentences of a chunk text as character spans. Paragraphs (blank-line separated; list
+    items on their own) are split at sentence ends. Headings (Markdown ``#`` lines, reST
+    titles with their under- and overlines) and code (fenced blocks, reST literal blocks
+    after ``::``, doctest sessions, indented blocks) are kept whole with their kind."""
     spans: list[Span] = []
-    block_start: int | None = None
-    block_end = 0
-    code_start: int | None = None
+    literal_next = False  # the previous text paragraph ended with "::": a literal (code) block follows
+    for lines in (part for paragraph in _paragraphs(text) for part in _split_titles(text, paragraph)):
+        kind = _kind(text, lines, literal_next)
+        literal_next = kind == "text" and text[lines[-1][0] : lines[-1][1]].rstrip().endswith("::")
+        if kind == "text":
+            spans.extend(_paragraph_text(text, lines))
+        else:
+            _add(spans, text, lines[0][0], lines[-1][1], kind)
+    return spans
 
-    def flush() -> None:
-        nonlocal block_start
-        if block_start is None:
-            return
-        start = block_start
-        for match in _BOUNDARY.finditer(text, block_start, block_end):
-            _add(spans, text, start, match.end(), "text")  # closing quotes stay, the space is trimmed
-            start = match.end()
-        _add(spans, text, start, block_end, "text")
-        block_start = None
 
+def _split_titles(text: str, lines: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """A paragraph cut around the reST titles inside it (a line over an underline, with its
+    overline if any), each title a paragraph of its own."""
+    if text[lines[0][0] : lines[0][1]].strip().startswith(_FENCE):
+        return [lines]
+    out: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    for i, line in enumerate(lines):
+        if i >= 1 and current and _is_underline(text, line) and not _is_underline(text, lines[i - 1]):
+            title = [current.pop()]
+            if current and _is_underline(text, current[-1]):
+                title.insert(0, current.pop())  # its overline
+            if current:
+                out.append(current)
+            out.append([*title, line])
+            current = []
+        else:
+            current.append(line)
+    if current:
+        out.append(current)
+    return out
+
+
+_UNDERLINE = re.compile(r"[=\-~^*+#\"':.]{3,}")
+_FENCE = "```"
+
+
+def _paragraphs(text: str) -> list[list[tuple[int, int]]]:
+    """Blank-line separated paragraphs as lists of (start, end) line spans; a fenced code
+    block is one paragraph, blank lines and all."""
+    out: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    fenced = False
     offset = 0
     for line in text.splitlines(keepends=True):
-        line_start, offset = offset, offset + len(line)
-        stripped = line.strip()
-        if code_start is not None:
-            if stripped.startswith("```"):
-                _add(spans, text, code_start, line_start + len(line.rstrip()), "code")
-                code_start = None
-            continue
-        if stripped.startswith("```"):
-            flush()
-            code_start = line_start
-        elif not stripped:
-            flush()
-        elif stripped.startswith("#"):
-            flush()
-            _add(spans, text, line_start, line_start + len(line.rstrip()), "heading")
+        start, offset = offset, offset + len(line)
+        body = line.rstrip("\r\n")
+        if body.strip().startswith(_FENCE):
+            if not fenced and current:
+                out.append(current)
+                current = []
+            current.append((start, start + len(body)))
+            if fenced:
+                out.append(current)
+                current = []
+            fenced = not fenced
+        elif fenced:
+            current.append((start, start + len(body)))
+        elif not body.strip():
+            if current:
+                out.append(current)
+                current = []
         else:
-            if _LIST_ITEM.match(line):
-                flush()
-            if block_start is None:
-                block_start = line_start
-            block_end = line_start + len(line.rstrip())
-    if code_start is not None:
-        _add(spans, text, code_start, len(text.rstrip()), "code")
-    flush()
-    return spans
+            current.append((start, start + len(body)))
+    if current:
+        out.append(current)
+    return out
+
+
+def _kind(text: str, lines: list[tuple[int, int]], literal: bool) -> str:
+    first = text[lines[0][0] : lines[0][1]]
+    if first.strip().startswith(_FENCE):
+        return "code"
+    if first.lstrip().startswith("#") and len(lines) == 1:
+        return "heading"
+    if _is_underline(text, lines[-1]) or (len(lines) == 1 and _is_underline(text, lines[0])):
+        return "heading"  # (what _split_titles cut out)
+    indented = sum(1 for a, b in lines if text[a:b][:1] in (" ", "\t"))
+    if literal or first.lstrip().startswith(">>>") or indented * 2 > len(lines):
+        return "code"
+    return "text"
+
+
+def _is_underline(text: str, line: tuple[int, int]) -> bool:
+    """A reST title's under- or overline: one punctuation character repeated."""
+    body = text[line[0] : line[1]].strip()
+    return bool(_UNDERLINE.fullmatch(body)) and len(set(body)) == 1
+
+
+def _items(text: str, lines: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """A paragraph's lines grouped into list items (a paragraph without items: one group)."""
+    items: list[list[tuple[int, int]]] = []
+    for line in lines:
+        if not items or _LIST_ITEM.match(text[line[0] : line[1]]):
+            items.append([])
+        items[-1].append(line)
+    return items
+
+
+def _paragraph_text(text: str, lines: list[tuple[int, int]]) -> list[Span]:
+    """The spans of a text paragraph given as lines (what follows a reST title in one paragraph)."""
+    out: list[Span] = []
+    for item in _items(text, lines):
+        start, end = item[0][0], item[-1][1]
+        for match in _BOUNDARY.finditer(text, start, end):
+            _add(out, text, start, match.end(), "text")
+            start = match.end()
+        _add(out, text, start, end, "text")
+    return out
 
 
 def _add(spans: list[Span], text: str, start: int, end: int, kind: str) -> None:
@@ -118,7 +188,7 @@ def extract(
     candidates: list[tuple[int, int, Span]] = []  # (source position, number, span)
     for at, (n, text) in enumerate(sources):
         for span in sentence_spans(text):
-            if span.kind == "heading" or not min_chars <= span.end - span.start <= max_chars:
+            if span.kind != "text" or not min_chars <= span.end - span.start <= max_chars:
                 continue
             candidates.append((at, n, span))
     if not candidates:

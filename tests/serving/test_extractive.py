@@ -49,3 +49,41 @@ def test_the_best_sentences_are_picked_in_reading_order_without_repeats() -> Non
     # Only spans close to the best one's score are kept.
     assert len(extract(question, sources, embedder, limit=3, window=0.0)) == 1
     assert extract(question, [], embedder) == [] and extract(np.zeros(64, np.float32), [(1, "")], embedder) == []
+
+
+REST = """Why are default values shared between objects?
+----------------------------------------------
+
+This type of bug commonly bites neophyte programmers.  Consider this function::
+
+def foo(mydict={}):  # Danger: shared reference to one dict for all calls
+       ... compute something ...
+       return mydict
+
+>>> f.readline()
+   'This is the first line of the file.\\n'
+
+For reading lines from a file, you can loop over the file object. This is memory
+efficient.
+Lambda Expressions
+------------------
+Small anonymous functions can be created with the lambda keyword."""
+
+
+def test_rest_titles_literal_blocks_and_doctests_are_not_prose() -> None:
+    spans = sentence_spans(REST)
+    kinds = [(s.kind, REST[s.start : s.end].split("\n")[0]) for s in spans]
+    assert kinds == [
+        ("heading", "Why are default values shared between objects?"),
+        ("text", "This type of bug commonly bites neophyte programmers."),
+        ("text", "Consider this function::"),
+        ("code", "def foo(mydict={}):  # Danger: shared reference to one dict for all calls"),
+        ("code", ">>> f.readline()"),
+        ("text", "For reading lines from a file, you can loop over the file object."),
+        ("text", "This is memory"),
+        ("heading", "Lambda Expressions"),
+        ("text", "Small anonymous functions can be created with the lambda keyword."),
+    ], kinds
+    embedder = FakeEmbedder(dim=64)
+    found = extract(embedder.embed(["why are default values shared between objects"])[0], [(1, REST)], embedder)
+    assert found and all(e.text == REST[e.start : e.end] and not e.text.startswith(("Why are", ">>>")) for e in found)
