@@ -39,11 +39,16 @@ class EmbeddedCorpus:
 
 
 def embedded_pydocs(
-    limit: int | None = None, max_tokens: int = 200, overlap: int = 32, embedder: Embedder | None = None
+    limit: int | None = None,
+    max_tokens: int = 200,
+    overlap: int = 32,
+    embedder: Embedder | None = None,
+    prefix: str = "",
 ) -> EmbeddedCorpus:
-    """The docs chunked and embedded (by ``embedder``, default fp32), cached per model identity."""
+    """The docs (those whose id starts with ``prefix``) chunked and embedded (by ``embedder``,
+    default fp32), cached per model identity."""
     embedder = embedder or SentenceTransformerEmbedder()
-    docs = load_pydocs(PYDOCS, limit)
+    docs = [d for d in load_pydocs(PYDOCS, limit) if d.id.startswith(prefix)]
     key = hashlib.sha256(
         json.dumps([str(embedder.identity), max_tokens, overlap, [(d.id, len(d.body)) for d in docs]]).encode()
     ).hexdigest()[:16]

@@ -214,9 +214,9 @@ def bench_cold(index: Path, lake: Lake, queries: np.ndarray, work: Path) -> None
         proc.wait(30)
 
 
-def pydocs_lake(work: Path) -> tuple[Lake, Path, list[str]]:
-    """The Python docs as a lake of real embedded chunks, and its index."""
-    corpus = embedded_pydocs()
+def pydocs_lake(work: Path, prefix: str = "") -> tuple[Lake, Path, list[str]]:
+    """The Python docs (ids starting with ``prefix``) as a lake of real embedded chunks, and its index."""
+    corpus = embedded_pydocs(prefix=prefix)
     lake = Lake.at(str(work / "pydocs-lake"))
     lake.ensure_tables(1)
     writer = LakeWriter(lake, CHUNKS, "bench", None)

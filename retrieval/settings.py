@@ -63,7 +63,8 @@ class ServeSettings(EngineSettings):
     no_answers: bool = False
     #: answers without a model: only ``style: extract``
     no_generator: bool = False
-    answer_style: str = Field("generate", pattern=r"^(generate|extract)$", description="a request's default style")
+    #: a request's default style; None: extract with the embedded generator, generate with --generator-url
+    answer_style: str | None = Field(None, pattern=r"^(generate|extract)$")
     no_audit: bool = False
     audit_dead_letters: Path | None = None
     bootstrap: str | None = Field(None, description="Kafka bootstrap servers: follow the ingest job's commit notices")

@@ -28,7 +28,7 @@ CONTEXT_WEIGHT = 0.25
 class Span:
     start: int
     end: int
-    kind: str  # "text" | "code" | "heading"
+    kind: str  # "text" | "code" | "heading" | "markup"
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,8 @@ def _kind(text: str, lines: list[tuple[int, int]], literal: bool) -> str:
     first = text[lines[0][0] : lines[0][1]]
     if first.strip().startswith(_FENCE):
         return "code"
+    if first.startswith(".. "):
+        return "markup"  # a reST directive, label or comment
     if first.lstrip().startswith("#") and len(lines) == 1:
         return "heading"
     if _is_underline(text, lines[-1]) or (len(lines) == 1 and _is_underline(text, lines[0])):

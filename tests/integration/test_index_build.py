@@ -152,8 +152,9 @@ def test_serve_from_s3_with_a_cold_cache(s3_lake: str, s3_server, tmp_path: Path
         ]
         assert fetched and float(fetched[0].split()[-1]) > 0
         assert any(p.stat().st_size > 0 for p in (tmp_path / "cache").iterdir())
-        # Answers from the embedded generator (the default: no --generator-url), audited on S3.
-        r = httpx.post(f"{url}/v1/answer", json={"question": "What does the lake store?", "k": 2}, timeout=300)
+        # Answers from the embedded generator (no --generator-url; it extracts unless asked to generate), audited on S3.
+        body = {"question": "What does the lake store?", "k": 2, "style": "generate"}
+        r = httpx.post(f"{url}/v1/answer", json=body, timeout=300)
         assert r.status_code == 200, r.text
         answer_id = r.json()["answer_id"]
         proc.send_signal(signal.SIGINT)  # a graceful stop flushes the audit log

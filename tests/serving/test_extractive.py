@@ -65,6 +65,9 @@ def foo(mydict={}):  # Danger: shared reference to one dict for all calls
 
 For reading lines from a file, you can loop over the file object. This is memory
 efficient.
+
+.. _faq-cache-method-calls:
+
 Lambda Expressions
 ------------------
 Small anonymous functions can be created with the lambda keyword."""
@@ -81,6 +84,7 @@ def test_rest_titles_literal_blocks_and_doctests_are_not_prose() -> None:
         ("code", ">>> f.readline()"),
         ("text", "For reading lines from a file, you can loop over the file object."),
         ("text", "This is memory"),
+        ("markup", ".. _faq-cache-method-calls:"),
         ("heading", "Lambda Expressions"),
         ("text", "Small anonymous functions can be created with the lambda keyword."),
     ], kinds
