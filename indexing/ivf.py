@@ -14,6 +14,9 @@ it on that sample, so each partition is read once for the sample and once for th
 assignment. Assignment goes through a coarse level over the centroids where, on a sample,
 it agrees with exact assignment and is faster; the choice and its measurements are recorded
 in the manifest's ``stats``.
+
+With ``reuse_centroids``, a build that finds few chunks changed since the last full build
+writes only a delta (``indexing.incremental``) and falls back to this full path otherwise.
 """
 
 from __future__ import annotations
@@ -310,7 +313,6 @@ def _centroids(
 def open_data(snap: Snapshot, executor: str, opts: BuildOptions) -> BuildData:
     """The snapshot's partitions, loaded by Ray actors (Ray started if it is not) or by this
     process's threads."""
-    partitions = opts.partitions
     if executor == "ray":
         import ray
 
@@ -319,7 +321,7 @@ def open_data(snap: Snapshot, executor: str, opts: BuildOptions) -> BuildData:
         cpus = int(resources.get("CPU", 1))
     else:
         cpus = os.cpu_count() or 1
-    parts = snap.partitions(partitions or max(1, cpus))
+    parts = snap.partitions(opts.partitions or max(1, cpus))
     loaders = [partial(load_partition, snap.lake, snap.version, p) for p in parts]
     data: BuildData = RayData(loaders) if executor == "ray" else LocalPartitions(loaders)
     if data.count() != snap.count:
