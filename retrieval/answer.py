@@ -399,7 +399,7 @@ def _extract_text(found: list[Extract]) -> str:
         if e.n != last:
             paragraphs.append([])
             last = e.n
-        paragraphs[-1].append(f"{e.plain}\n[{e.n}]" if e.plain.startswith("```") else _cite(e.plain, e.n))
+        paragraphs[-1].append(_cite(e.plain, e.n))
     return "\n\n".join(" ".join(p) for p in paragraphs)
 
 

@@ -1,9 +1,9 @@
 """Extractive answers: the sentences of the caller's sources that best answer the question.
 
 No generator: each candidate is a verbatim span of a source's chunk text (a sentence or a
-list item of its prose: headings and code are not quoted alone), scored by the embedding similarity of the span
-to the question, plus a share of its whole source's similarity (a sentence means more in
-a passage about the question). The best span is kept, and up to ``limit`` - 1 more that
+list item of its prose: headings and code are not quoted alone), scored by the embedding
+similarity of the span to the question, plus a share of its whole source's similarity (a
+sentence means more in a passage about the question). The best span is kept, and up to ``limit`` - 1 more that
 score within ``window`` of it and repeat none already kept, in reading order (by source,
 then by position). Every extract carries its source number and character span, so its
 citation is exact by construction.
@@ -41,8 +41,8 @@ class Extract:
 
     @property
     def plain(self) -> str:
-        """The extract with its line breaks as spaces (code blocks keep theirs)."""
-        return self.text if self.text.lstrip().startswith("```") else " ".join(self.text.split())
+        """The extract with its line breaks as spaces (extracts are prose)."""
+        return " ".join(self.text.split())
 
 
 def sentence_spans(text: str) -> list[Span]:
