@@ -40,7 +40,11 @@ from serving.prompt import Source, build_messages, prompt_hash
 log = logging.getLogger(__name__)
 
 NO_ANSWER = "I found no sources you are allowed to see that could answer this question."
+#: a generated answer whose every sentence was dropped as unsupported (``"unsupported": "drop"``)
+NOTHING_SUPPORTED = "The sources I found do not support any sentence of the model's answer."
 STYLES = ("generate", "extract")
+#: what happens to a generated sentence no source supports: listed under "flagged", or removed
+UNSUPPORTED = ("flag", "drop")
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class Prepared:
     retrieve_s: float
     timings: dict[str, float] = field(default_factory=dict)
     style: str = "generate"
+    unsupported: str = "flag"
 
 
 class _Embeds:
@@ -119,10 +124,13 @@ class Answerer:
         as_of: int | None = None,
         where: MetadataFilter | None = None,
         style: str | None = None,
+        unsupported: str = "flag",
     ) -> Prepared:
         style = style or self.options.style
         if style not in STYLES:
             raise SearchError(f"style must be one of {', '.join(STYLES)}.")
+        if unsupported not in UNSUPPORTED:
+            raise SearchError(f"unsupported must be one of {', '.join(UNSUPPORTED)}.")
         if style == "generate" and self.generator is None:
             raise SearchError('this service runs without a generator: ask with "style": "extract".', status=400)
         if not isinstance(question, str) or not question.strip():
@@ -142,7 +150,7 @@ class Answerer:
         retrieve_s = time.perf_counter() - t0
         metrics.ANSWER_SECONDS.labels("retrieve").observe(retrieve_s)
         return Prepared(uuid.uuid4().hex, question, principal, k, as_of, result, sources, messages,
-                        prompt_hash(messages), t0, retrieve_s, style=style)  # fmt: skip
+                        prompt_hash(messages), t0, retrieve_s, style=style, unsupported=unsupported)  # fmt: skip
 
     def answer(self, p: Prepared) -> dict[str, Any]:
         """Generate without streaming; raises GeneratorError (after auditing the failure)."""
@@ -238,7 +246,9 @@ class Answerer:
             # re-embedding them: the same model made them from the same chunk text.
             attribution = attribute(text, p.sources, _Embeds(self.engine.queries), self.options.threshold,
                                     self.options.marker_threshold, p.result.vectors)  # fmt: skip
-            status, shown = "answered", _with_citations(attribution) or text.strip()
+            drop = p.unsupported == "drop"
+            shown = _with_citations(attribution, drop) or (NOTHING_SUPPORTED if drop else text.strip())
+            status = "answered"
         citations = []
         for n in attribution.cited:
             r = results[n - 1]
@@ -252,7 +262,7 @@ class Answerer:
         sentences = [
             {"text": s.text if is_code(s.text) else strip_markers(s.text), "sources": s.sources,
              "scores": {str(n): v for n, v in s.scores.items()}, "flagged": s.flagged, "invalid_markers": s.invalid,
-             "unsupported_markers": s.unsupported}
+             "unsupported_markers": s.unsupported, "dropped": s.flagged and p.unsupported == "drop"}
             for s in attribution.sentences
         ]  # fmt: skip
         return self._payload(p, status, shown, text, citations, sentences, streamed)
@@ -280,7 +290,8 @@ class Answerer:
             "raw_answer": text,
             "citations": citations,
             "sentences": sentences,
-            "flagged": [s["text"] for s in sentences if s["flagged"]],
+            "flagged": [s["text"] for s in sentences if s["flagged"] and not s.get("dropped")],
+            "dropped": [s["text"] for s in sentences if s.get("dropped")],
             "sources": [
                 {
                     "n": s.n,
@@ -302,7 +313,7 @@ class Answerer:
         metrics.ANSWER_SECONDS.labels("total").observe(total_s)
         if "first_token_s" in p.timings:
             metrics.ANSWER_SECONDS.labels("first_token").observe(p.timings["first_token_s"])
-        metrics.FLAGGED_SENTENCES.inc(len(payload["flagged"]))
+        metrics.FLAGGED_SENTENCES.inc(len(payload["flagged"]) + len(payload["dropped"]))
         self._audit(p, status, shown, text, citations, sentences, streamed, timings, None)
         return payload
 
@@ -370,11 +381,13 @@ def clip(text: str, limit: int) -> str:
     return (cut[:space] if space > limit * 0.8 else cut) + " …"
 
 
-def _with_citations(attribution: Attribution) -> str:
+def _with_citations(attribution: Attribution, drop: bool = False) -> str:
     """The answer as returned: each sentence with the markers that survived validation,
-    paragraphs and code blocks kept."""
+    paragraphs and code blocks kept; with ``drop``, without the sentences no source supports."""
     blocks: dict[int, list[str]] = {}
     for s in attribution.sentences:
+        if drop and s.flagged:
+            continue
         cite = "".join(f"[{n}]" for n in sorted(s.sources))
         if is_code(s.text):
             text = f"{s.text}\n{cite}" if cite else s.text

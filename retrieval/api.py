@@ -97,6 +97,11 @@ class AnswerRequest(BaseModel):
         "no model, the sources' sentences that best answer the question, each cited with its character span "
         "(default: the service's --answer-style)",
     )
+    unsupported: Literal["flag", "drop"] = Field(
+        default="flag",
+        description="generated sentences no source supports: flag (kept, listed under flagged) or drop "
+        "(left out of the answer, listed under dropped)",
+    )
 
 
 # The service's components reach routes as dependencies (set on ``app.state`` by
@@ -272,6 +277,7 @@ def create_app(
             body.as_of,
             where(body.filter),
             body.style,
+            body.unsupported,
             limiter=answer_pool,
         )
         if body.stream:

@@ -82,6 +82,8 @@ class AnswerSentence(Out):
     unsupported_markers: list[int]
     #: extractive answers: [start, end) of the sentence in its source's chunk text (verbatim)
     span: list[int] | None = None
+    #: left out of the answer: no source supports it and the request said "unsupported": "drop"
+    dropped: bool = False
 
 
 class AnswerSource(Out):
@@ -101,6 +103,7 @@ class AnswerResponse(Out):
     citations: list[Citation]
     sentences: list[AnswerSentence]
     flagged: list[str]
+    dropped: list[str] = []
     sources: list[AnswerSource]
     model: str | None = None
     lake_version: int

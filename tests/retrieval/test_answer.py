@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from pipelines.lake import Lake
 from retrieval.acl import Principal
-from retrieval.answer import NO_ANSWER, Answerer
+from retrieval.answer import NO_ANSWER, NOTHING_SUPPORTED, Answerer
 from retrieval.api import create_app
 from retrieval.audit import AuditLog
 from retrieval.errors import SearchError
@@ -288,3 +288,28 @@ def test_the_style_is_chosen_per_request_over_http(audit: AuditLog) -> None:
     r = client.post("/v1/answer", json={"question": "q", "style": "poem"})
     assert r.status_code == 422 and "style" in r.json()["error"]
     assert [row["style"] for row in audit_rows(audit)] == ["extract", "generate"]
+
+
+def test_unsupported_sentences_are_flagged_or_dropped_as_the_caller_asks(audit: AuditLog) -> None:
+    reply = f"{TEXTS[0]} The moon is made of cheese."
+    engine = StubEngine(TEXTS)
+    answerer = Answerer(engine, scripted(reply, []), audit)  # type: ignore[arg-type]
+    who = Principal("bob")
+    flagged = answerer.answer(answerer.prepare("How do penguins swim?", 3, who))
+    assert flagged["flagged"] == ["The moon is made of cheese."] and flagged["dropped"] == []
+    assert "cheese" in flagged["answer"]
+    dropped = answerer.answer(answerer.prepare("How do penguins swim?", 3, who, unsupported="drop"))
+    assert dropped["flagged"] == [] and dropped["dropped"] == ["The moon is made of cheese."]
+    assert "cheese" not in dropped["answer"] and dropped["answer"] == f"{TEXTS[0][:-1]} [1]."
+    assert dropped["raw_answer"] == reply and [s["dropped"] for s in dropped["sentences"]] == [False, True]
+    nothing = Answerer(engine, scripted("The moon is made of cheese.", []), audit)  # type: ignore[arg-type]
+    out = nothing.answer(nothing.prepare("How do penguins swim?", 3, who, unsupported="drop"))
+    assert out["answer"] == NOTHING_SUPPORTED and out["citations"] == [] and out["dropped"]
+    client = TestClient(create_app(engine, None, answerer))  # type: ignore[arg-type]
+    body = client.post("/v1/answer", json={"question": "How do penguins swim?", "unsupported": "drop"}).json()
+    assert body["dropped"] == ["The moon is made of cheese."]
+    r = client.post("/v1/answer", json={"question": "q", "unsupported": "hide"})
+    assert r.status_code == 422 and "unsupported" in r.json()["error"]
+    rows = audit_rows(audit)
+    assert [r["answer"] for r in rows][:2] == [flagged["answer"], dropped["answer"]]
+    assert json.loads(rows[1]["sentences"])[1]["dropped"] and rows[1]["flagged_sentences"] == 1
