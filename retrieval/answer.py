@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 NO_ANSWER = "I found no sources you are allowed to see that could answer this question."
 #: a generated answer whose every sentence was dropped as unsupported (``"unsupported": "drop"``)
 NOTHING_SUPPORTED = "The sources I found do not support any sentence of the model's answer."
+#: an extractive answer whose sources hold nothing to quote (only headings, code, markup)
+NOTHING_TO_QUOTE = 'The sources I found hold no sentence to quote for this question; try "style": "generate".'
 STYLES = ("generate", "extract")
 #: what happens to a generated sentence no source supports: listed under "flagged", or removed
 UNSUPPORTED = ("flag", "drop")
@@ -217,7 +219,7 @@ class Answerer:
         p.timings["first_token_s"] = time.perf_counter() - p.started
         metrics.ANSWER_SECONDS.labels("extract").observe(time.perf_counter() - t0)
         if not found:
-            return self._finish(p, None, streamed)
+            return self._payload(p, "no_answer", NOTHING_TO_QUOTE, None, [], [], streamed)
         sentences = [
             {"text": e.text, "sources": [e.n], "scores": {str(e.n): e.score}, "flagged": False,
              "invalid_markers": [], "unsupported_markers": [], "span": [e.start, e.end]}

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from pipelines.lake import Lake
 from retrieval.acl import Principal
-from retrieval.answer import NO_ANSWER, NOTHING_SUPPORTED, Answerer
+from retrieval.answer import NO_ANSWER, NOTHING_SUPPORTED, NOTHING_TO_QUOTE, Answerer
 from retrieval.api import create_app
 from retrieval.audit import AuditLog
 from retrieval.errors import SearchError
@@ -267,11 +267,15 @@ def test_an_extractive_answer_cites_verbatim_spans_and_calls_no_model(audit: Aud
     events = list(answerer.stream(answerer.prepare("How do penguins swim?", 3, who, style="extract")))
     assert [name for name, _ in events][-1] == "done" and events[0][0] == "token"
     assert "".join(e["text"] for name, e in events if name == "token") == events[-1][1]["answer"]
+    only_code = Answerer(StubEngine(["```\nfor line in f:\n    print(line)\n```"]), None, audit)  # type: ignore[arg-type]
+    empty = only_code.answer(only_code.prepare("How do I loop over lines?", 1, who, style="extract"))
+    assert empty["no_answer"] and empty["answer"] == NOTHING_TO_QUOTE and empty["citations"] == []
     with pytest.raises(SearchError, match="without a generator") as refused:
         answerer.prepare("How do penguins swim?", 3, who, style="generate")
     assert refused.value.status == 400
     rows = audit_rows(audit)
-    assert [r["style"] for r in rows] == ["extract", "extract"] and rows[0]["answer"] == out["answer"]
+    assert [r["style"] for r in rows] == ["extract", "extract", "extract"] and rows[0]["answer"] == out["answer"]
+    assert rows[2]["status"] == "no_answer"
     assert rows[0]["generator"] is None and rows[0]["prompt_hash"] is None and rows[0]["generator_url"] is None
     assert json.loads(rows[0]["sentences"])[0]["span"] == out["sentences"][0]["span"]
 
