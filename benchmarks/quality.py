@@ -13,20 +13,35 @@ candidate. Reported per system: nDCG@10, recall@10 and MRR (first relevant chunk
   default nprobe, the way ``/v1/search`` does (and ``ivf@256``, ``ivf@512``: more lists);
 - ``exact-int8`` (with ``--int8``): as ``exact``, every chunk and question embedded by the
   int8 CPU embedder (``--dtype int8``);
-- ``bm25``: Okapi BM25 (k1 1.2, b 0.75) over the same chunks, the lexical baseline.
+- ``keyword``: BM25 by the engine's keyword index (tantivy, built by the real builder:
+  ``indexing.keyword``), searched the way ``/v1/search`` does with ``mode: keyword``;
+- ``hybrid``: the engine's fusion of ``ivf`` and ``keyword`` (``mode: hybrid``), with the
+  service's default weights, and each weight/constant of a small grid.
+
+A second query set, **identifiers**: API names from the docs' own definitions
+(``.. function:: replace(src, dst)`` under ``.. module:: os`` gives the query
+``os.replace``; methods, classes, exceptions, data, attributes, decorators and command
+line options likewise), each relevant to the chunk(s) that hold its definition.
+
+Fusion weights are chosen on a dev half of each set (even-numbered questions) and reported
+on the other half, and on all questions.
 
 Targets: IVF within 1% of exact (nDCG@10); dense retrieval above BM25; int8 within 1% of
-fp32 for the demo to use it.
+fp32 for the demo to use it; hybrid nDCG@10 >= 1.05x dense on the FAQ set and never below
+dense on either set; identifiers: hybrid recall@10 >= 0.9 and >= 1.3x dense.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import random
 import re
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import faiss
 import numpy as np
-from scipy import sparse
 
 from benchmarks.index import emit
 from benchmarks.pydocs import embedded_pydocs
@@ -50,7 +64,6 @@ from serving.embedder import load_embedder
 
 K = 10
 _HEADING = re.compile(r"^([=\-*^~#+\"'`.:_])\1{2,}\s*$")
-_WORD = re.compile(r"[a-z0-9_]+")
 
 
 @dataclass
@@ -106,6 +119,35 @@ def questions(doc_ids: list[str], texts: list[str]) -> list[Question]:
     return out
 
 
+_DEFINITION = re.compile(
+    r"^\.\. (function|method|class|exception|data|attribute|decorator|cmdoption|option)::\s*([^\s(\[]+)", re.M
+)
+_MODULE = re.compile(r"^\.\. (?:module|currentmodule):: (\S+)", re.M)
+
+
+def identifier_questions(doc_ids: list[str], texts: list[str], n: int = 400, seed: int = 3) -> list[Question]:
+    """API names defined in the docs (qualified by their module), each relevant to the chunks
+    that hold its definition; a seeded sample of ``n`` names defined once."""
+    by_doc: dict[str, list[int]] = {}
+    for i, d in enumerate(doc_ids):
+        by_doc.setdefault(d, []).append(i)
+    found: dict[str, Question] = {}
+    seen: dict[str, int] = {}
+    for doc in load_pydocs():
+        module = _MODULE.search(doc.body)
+        for match in _DEFINITION.finditer(doc.body):
+            kind, name = match.groups()
+            qualified = name if kind in ("cmdoption", "option") or not module or name.startswith(module.group(1) + ".")\
+                else f"{module.group(1)}.{name}"  # fmt: skip
+            seen[qualified] = seen.get(qualified, 0) + 1
+            line = match.group(0)
+            relevant = {i for i in by_doc.get(doc.id, []) if line in texts[i]}
+            if relevant:
+                found[qualified] = Question(qualified, doc.id, line, relevant)
+    names = sorted(q for q in found if seen[q] == 1)
+    return [found[q] for q in random.Random(seed).sample(names, min(n, len(names)))]
+
+
 def ndcg(ranked: list[int], relevant: set[int], k: int = K) -> float:
     dcg = sum(1 / math.log2(r + 2) for r, i in enumerate(ranked[:k]) if i in relevant)
     ideal = sum(1 / math.log2(r + 2) for r in range(min(k, len(relevant))))
@@ -120,37 +162,30 @@ def mrr(ranked: list[int], relevant: set[int]) -> float:
     return next((1 / (r + 1) for r, i in enumerate(ranked) if i in relevant), 0.0)
 
 
-class BM25:
-    def __init__(self, texts: list[str], k1: float = 1.2, b: float = 0.75) -> None:
-        vocab: dict[str, int] = {}
-        rows, cols, vals = [], [], []
-        lengths = np.zeros(len(texts), np.float32)
-        for d, text in enumerate(texts):
-            counts: dict[int, int] = {}
-            words = _WORD.findall(text.lower())
-            lengths[d] = len(words)
-            for w in words:
-                t = vocab.setdefault(w, len(vocab))
-                counts[t] = counts.get(t, 0) + 1
-            rows += [d] * len(counts)
-            cols += list(counts)
-            vals += list(counts.values())
-        tf = sparse.csr_matrix((np.array(vals, np.float32), (rows, cols)), shape=(len(texts), len(vocab)))
-        df = np.bincount(cols, minlength=len(vocab)).astype(np.float32)
-        self.idf = np.log(1 + (len(texts) - df + 0.5) / (df + 0.5))
-        norm = k1 * (1 - b + b * lengths / lengths.mean())
-        tf = tf.tocoo()
-        weighted = tf.data * (k1 + 1) / (tf.data + norm[tf.row])
-        self.weights = sparse.csc_matrix((weighted, (tf.row, tf.col)), shape=tf.shape)
-        self.vocab = vocab
+#: the fusion grid: (keyword weight, reciprocal-rank constant); dense weight 1
+GRID = [(w, c) for c in (20, 60) for w in (0.25, 0.5, 0.75, 1.0)]
 
-    def search(self, query: str, k: int) -> list[int]:
-        terms = [self.vocab[w] for w in set(_WORD.findall(query.lower())) if w in self.vocab]
-        if not terms:
-            return []
-        scores = np.asarray(self.weights[:, terms] @ self.idf[terms]).ravel()
-        top = np.argpartition(-scores, k)[:k]
-        return [int(i) for i in top[np.argsort(-scores[top])]]
+
+def scores(lists: list[list[int]], qs: list[Question]) -> dict[str, float]:
+    return {
+        "ndcg@10": float(np.mean([ndcg(r, q.relevant) for r, q in zip(lists, qs, strict=True)])),
+        "recall@10": float(np.mean([recall(r, q.relevant) for r, q in zip(lists, qs, strict=True)])),
+        "mrr": float(np.mean([mrr(r, q.relevant) for r, q in zip(lists, qs, strict=True)])),
+    }
+
+
+def ranked_by(
+    engine: SearchEngine, texts: list[str], vectors: np.ndarray, mode: str
+) -> tuple[list[list[int]], list[float]]:
+    """Each query's ranking by the engine in ``mode`` (corpus indices), and each query's seconds."""
+    view = engine.current_view()
+    lists, took = [], []
+    for text, vector in zip(texts, vectors, strict=True):
+        t = time.perf_counter()
+        result = engine.search_view(view, text, vector, K * 10, ANONYMOUS, False, None, mode)
+        took.append(time.perf_counter() - t)
+        lists.append([int(r["chunk_id"][1:]) for r in result.results])
+    return lists, took
 
 
 def main() -> None:
@@ -159,69 +194,106 @@ def main() -> None:
         "--int8", action="store_true",
         help="also rank with the int8 embedder (corpus and questions embedded by it; the first run embeds 40k chunks)",
     )  # fmt: skip
+    parser.add_argument("--identifiers", type=int, default=400, help="identifier queries sampled (400)")
     args = parser.parse_args()
     corpus = embedded_pydocs()
-    qs = questions(corpus.doc_ids, corpus.texts)
-    texts = [q.text for q in qs]
-    emit(bench="quality_setup", faq_pairs=len(faq_pairs()), questions=len(qs), chunks=len(corpus.texts),
-         relevant_per_question=round(float(np.mean([len(q.relevant) for q in qs])), 2))  # fmt: skip
-    query_vectors = corpus.embedder.embed(texts)
-    ranked: dict[str, list[list[int]]] = {}
+    sets = {
+        "faq": questions(corpus.doc_ids, corpus.texts),
+        "identifiers": identifier_questions(corpus.doc_ids, corpus.texts, args.identifiers),
+    }
+    emit(bench="quality_setup", faq_pairs=len(faq_pairs()), chunks=len(corpus.texts),
+         **{f"{name}_questions": len(qs) for name, qs in sets.items()},
+         **{f"{name}_relevant_per_question": round(float(np.mean([len(q.relevant) for q in qs])), 2)
+            for name, qs in sets.items()})  # fmt: skip
+    texts = {name: [q.text for q in qs] for name, qs in sets.items()}
+    query_vectors = {name: corpus.embedder.embed(t) for name, t in texts.items()}
+    ranked: dict[str, dict[str, list[list[int]]]] = {name: {} for name in sets}
+    latency: dict[str, list[float]] = {}
     probes: dict[str, int] = {}
     nlist = 0
 
     flat = faiss.IndexFlatIP(corpus.vectors.shape[1])
     flat.add(corpus.vectors)
-    _, found = flat.search(query_vectors, K * 10)
-    ranked["exact"] = [[int(i) for i in row] for row in found]
+    for name in sets:
+        _, found = flat.search(query_vectors[name], K * 10)
+        ranked[name]["exact"] = [[int(i) for i in row] for row in found]
     if args.int8:
         int8 = embedded_pydocs(embedder=load_embedder(dtype="int8"))
         assert int8.texts == corpus.texts, "the int8 tokenizer chunked differently"
         flat8 = faiss.IndexFlatIP(int8.vectors.shape[1])
         flat8.add(int8.vectors)
-        _, found = flat8.search(int8.embedder.embed(texts), K * 10)
-        ranked["exact-int8"] = [[int(i) for i in row] for row in found]
+        for name in sets:
+            _, found = flat8.search(int8.embedder.embed(texts[name]), K * 10)
+            ranked[name]["exact-int8"] = [[int(i) for i in row] for row in found]
 
+    defaults = EngineOptions()
     work = Path(tempfile.mkdtemp(prefix="srquality-", dir="/tmp"))
     try:
         start_ray(work_dir=work / "ray")
         lake, index, _ = pydocs_lake(work)
         cache = ShardCache(work / "cache")
         for nprobe in (None, 256, 512):  # None: the service's default
+            system = "ivf" if nprobe is None else f"ivf@{nprobe}"
             engine = SearchEngine(lake, LocalStore(str(index)), corpus.embedder, cache, EngineOptions(nprobe=nprobe))
             engine.start(background=False)
-            view = engine.current_view()
-            lists = []
-            for v in query_vectors:
-                result = engine.search_vector(view, v, K * 10, ANONYMOUS)
-                lists.append([int(r["chunk_id"][1:]) for r in result.results])
-            nlist = view.reader.manifest.nlist
-            ranked["ivf" if nprobe is None else f"ivf@{nprobe}"] = lists
-            probes["ivf" if nprobe is None else f"ivf@{nprobe}"] = result.nprobe
+            for name in sets:
+                ranked[name][system], took = ranked_by(engine, texts[name], query_vectors[name], "dense")
+                latency.setdefault(system, []).extend(took)
+            probes[system] = engine.search_vector(engine.current_view(), query_vectors["faq"][0], K, ANONYMOUS).nprobe
+            nlist = engine.current_view().reader.manifest.nlist
+            if nprobe is None:
+                keyword_stats = engine.current_view().reader.manifest.stats["keyword"]
+                for name in sets:
+                    ranked[name]["keyword"], took = ranked_by(engine, texts[name], query_vectors[name], "keyword")
+                    latency.setdefault("keyword", []).extend(took)
+                    for weight, constant in GRID:
+                        engine.options = dataclasses.replace(defaults, keyword_weight=weight, rrf_k=constant)
+                        system = f"hybrid(w={weight},k={constant})"
+                        ranked[name][system], took = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
+                    engine.options = defaults
+                    ranked[name]["hybrid"], took = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
+                    latency.setdefault("hybrid", []).extend(took)
             engine.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    bm25 = BM25(corpus.texts)
-    ranked["bm25"] = [bm25.search(q, K * 10) for q in texts]
-
-    table = {}
-    for system, lists in ranked.items():
-        scores = {
-            "ndcg@10": float(np.mean([ndcg(r, q.relevant) for r, q in zip(lists, qs, strict=True)])),
-            "recall@10": float(np.mean([recall(r, q.relevant) for r, q in zip(lists, qs, strict=True)])),
-            "mrr": float(np.mean([mrr(r, q.relevant) for r, q in zip(lists, qs, strict=True)])),
-        }
-        table[system] = scores
-        extra = {"nprobe": probes[system], "nlist": nlist} if system in probes else {}
-        emit(bench="quality", system=system, questions=len(qs), **{k: round(v, 4) for k, v in scores.items()}, **extra)
-    ivf_gap = 1 - table["ivf"]["ndcg@10"] / table["exact"]["ndcg@10"]
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for name, qs in sets.items():
+        dev = [i for i in range(len(qs)) if i % 2 == 0]
+        held = [i for i in range(len(qs)) if i % 2 == 1]
+        table[name] = {}
+        for system, lists in ranked[name].items():
+            table[name][system] = scores(lists, qs)
+            split = {
+                f"{part}_{metric}": round(value, 4)
+                for part, rows in (("dev", dev), ("held_out", held))
+                for metric, value in scores([lists[i] for i in rows], [qs[i] for i in rows]).items()
+            }
+            extra = {"nprobe": probes[system], "nlist": nlist} if system in probes else {}
+            emit(bench="quality", set=name, system=system, questions=len(qs),
+                 **{k: round(v, 4) for k, v in table[name][system].items()}, **split, **extra)  # fmt: skip
+    for system, took in latency.items():
+        ms = np.array(took) * 1000
+        emit(bench="quality_latency", system=system, queries=len(ms), p50_ms=round(float(np.percentile(ms, 50)), 2),
+             p99_ms=round(float(np.percentile(ms, 99)), 2), note="in-process, k=100")  # fmt: skip
+    per_million = 1_000_000 / max(1, keyword_stats["docs"])
+    emit(bench="keyword_index", docs=keyword_stats["docs"], bytes=keyword_stats["bytes"],
+         seconds=keyword_stats["seconds"], bytes_per_million=int(keyword_stats["bytes"] * per_million),
+         seconds_per_million=round(keyword_stats["seconds"] * per_million, 1))  # fmt: skip
+    faq, ident = table["faq"], table["identifiers"]
+    never_below = all(table[n]["hybrid"]["ndcg@10"] >= table[n]["ivf"]["ndcg@10"] for n in table)
+    ivf_gap = 1 - faq["ivf"]["ndcg@10"] / faq["exact"]["ndcg@10"]
     emit(bench="quality_targets", ivf_ndcg_gap_vs_exact=round(ivf_gap, 4), ivf_within_1pct=ivf_gap <= 0.01,
-         dense_above_bm25=table["exact"]["ndcg@10"] > table["bm25"]["ndcg@10"])  # fmt: skip
-    print("\n| system | nDCG@10 | recall@10 | MRR |\n|---|---|---|---|", file=sys.stderr)
-    for system, scores in table.items():
-        print(f"| {system} | {scores['ndcg@10']:.3f} | {scores['recall@10']:.3f} | {scores['mrr']:.3f} |",
-              file=sys.stderr)  # fmt: skip
+         dense_above_bm25=faq["ivf"]["ndcg@10"] > faq["keyword"]["ndcg@10"],
+         hybrid_vs_dense_faq_ndcg=round(faq["hybrid"]["ndcg@10"] / faq["ivf"]["ndcg@10"], 4),
+         hybrid_vs_dense_identifiers_recall=round(ident["hybrid"]["recall@10"] / ident["ivf"]["recall@10"], 4),
+         hybrid_identifiers_recall=round(ident["hybrid"]["recall@10"], 4),
+         hybrid_never_below_dense=never_below)  # fmt: skip
+    for name, rows in table.items():
+        print(f"\n{name}\n| system | nDCG@10 | recall@10 | MRR |\n|---|---|---|---|", file=sys.stderr)
+        for system, found in rows.items():
+            print(f"| {system} | {found['ndcg@10']:.3f} | {found['recall@10']:.3f} | {found['mrr']:.3f} |",
+                  file=sys.stderr)  # fmt: skip
 
 
 if __name__ == "__main__":

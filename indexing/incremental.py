@@ -225,4 +225,5 @@ def build_incremental(
         base_version=base_version,
         base_writer_seqs=base_seqs,
         untagged_rows=snap.untagged_rows,
+        keyword=prev.keyword,  # the base's; replicas add the delta rows (indexing.keyword)
     )

@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from indexing.distributed import LocalPartitions, RayData, choose_executor, start_ray
+from indexing.keyword import build_keyword_index
 from indexing.kmeans import (
     SAMPLE_PER_LIST,
     TWO_LEVEL_MIN_K,
@@ -100,6 +101,8 @@ class BuildOptions:
     incremental: bool = True
     #: an incremental build only while at most this share of the chunks changed since the last full build
     max_delta: float = 0.10
+    #: also write the keyword (BM25) index (``indexing.keyword``) that keyword and hybrid search need
+    keyword: bool = True
 
 
 #: vectors on which a coarse level's agreement with exact assignment is measured
@@ -436,9 +439,15 @@ def build_index(
         partitions = len(data.counts())
     finally:
         data.close()
+    keyword: list[FileRef] = []
+    if opts.keyword:
+        t = time.perf_counter()
+        keyword, stats["keyword"] = build_keyword_index(store, prefix, shards, opts.progress)
+        timings["keyword_s"] = time.perf_counter() - t
 
     written = {centroids_ref.key: centroids_ref.bytes, **({codec.ref.key: codec.ref.bytes} if codec else {})}
     written.update((f.key, f.bytes) for shard in shards for f in shard.files())
+    written.update((f.key, f.bytes) for f in keyword)
     stats.update(
         incremental=False,
         **({"full_reason": full_reason} if full_reason else {}),
@@ -470,4 +479,5 @@ def build_index(
         format_version=FORMAT_VERSION if opts.codec == "flat" else RANGED_FORMAT_VERSION,
         base_writer_seqs=snap.writer_seqs,
         untagged_rows=snap.untagged_rows,
+        keyword=keyword,
     )

@@ -130,6 +130,9 @@ class Manifest:
     #: chunk rows without a writer tag in the snapshot (older lakes): a change among them is
     #: invisible to ``writer_seqs``, so an incremental build requires the same number
     untagged_rows: int = 0
+    #: the keyword (BM25) index's files (``indexing.keyword``; an incremental version names its
+    #: base's); empty for versions built before keyword indexes existed
+    keyword: list[FileRef] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
@@ -164,12 +167,13 @@ class Manifest:
             )
             for s in obj["shards"]
         ]
+        obj["keyword"] = [FileRef(**f) for f in obj.get("keyword", [])]
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in obj.items() if k in known})  # newer writers' extra keys are ignored
 
     def files(self) -> list[FileRef]:
         """Every file this version names (its own build's and earlier builds' it shares)."""
-        return [self.centroids, *(f for s in self.shards for f in s.files())]
+        return [self.centroids, *(f for s in self.shards for f in s.files()), *self.keyword]
 
 
 def sha256(data: bytes) -> str:

@@ -278,7 +278,7 @@ class IndexReader:
         with self._alive_lock:
             return self._alive.setdefault(s, alive)
 
-    def _mask(self, s: int, shard: LoadedShard, allow: Allow | None) -> np.ndarray | None:
+    def row_mask(self, s: int, shard: LoadedShard, allow: Allow | None) -> np.ndarray | None:
         """Which rows of shard ``s`` a search may return: live in this version and allowed."""
         mask = allow(s, shard) if allow is not None else None
         alive = self.alive(s)
@@ -330,7 +330,7 @@ class IndexReader:
                 coarse = np.ascontiguousarray(np.take_along_axis(coarse_d, order, 1), dtype=np.float32)
             params = faiss.SearchParametersIVF()
             params.nprobe = assign.shape[1]
-            mask = self._mask(s, shard, allow)
+            mask = self.row_mask(s, shard, allow)
             keep: Any = None
             if mask is not None:
                 if not mask.any():
@@ -371,7 +371,7 @@ class IndexReader:
         for s, shard in loaded.items():
             assert shard.lists is not None
             params = faiss.SearchParametersIVF()
-            mask = self._mask(s, shard, allow)
+            mask = self.row_mask(s, shard, allow)
             keep: Any = None
             if mask is not None:
                 if not mask.any():

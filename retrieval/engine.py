@@ -18,17 +18,19 @@ from typing import Any
 import numpy as np
 
 from indexing.manifest import ManifestError
-from indexing.reader import ShardSource, take_rows
+from indexing.reader import Allow, Hit, IndexReader, ShardSource, take_rows
 from indexing.store import NotFound, ObjectStore
 from pipelines.lake import Lake
 from retrieval import metrics
 from retrieval.acl import ANONYMOUS, Principal
 from retrieval.errors import SearchError
 from retrieval.filters import MetadataFilter
+from retrieval.keyword import keyword_search
 from retrieval.masks import shard_filter
 from retrieval.query_embedding import QueryEmbedder
 from retrieval.results import RESULT_COLUMNS, SearchResult, result_record
-from retrieval.views import EngineOptions, View, Views
+from retrieval.tail import TailState
+from retrieval.views import MODES, EngineOptions, View, Views
 from serving.embedder import Embedder
 
 
@@ -64,22 +66,34 @@ class SearchEngine(Views):
         as_of: int | None = None,
         with_vectors: bool = False,
         where: MetadataFilter | None = None,
+        mode: str | None = None,
     ) -> SearchResult:
-        """Top-k visible chunks (matching ``where``, if given); ``with_vectors`` also returns their
-        stored embeddings (answers need them)."""
+        """Top-k visible chunks (matching ``where``, if given) by ``mode`` (default: the
+        service's); ``with_vectors`` also returns their stored embeddings (answers need them)."""
         if not isinstance(query, str) or not query.strip():
             raise SearchError("query must be a non-empty string.")
         if len(query) > self.options.max_query_chars:
             raise SearchError(f"query is {len(query)} characters; the limit is {self.options.max_query_chars}.")
         if not 1 <= k <= self.options.max_k:
             raise SearchError(f"k must be between 1 and {self.options.max_k}.")
+        mode = mode or self.options.mode
+        if mode not in MODES:
+            raise SearchError(f"mode must be one of {', '.join(MODES)}; got {mode!r}.")
         t0 = time.perf_counter()
         view = self.view_at(as_of) if as_of is not None else self.current_view()
+        if mode != "dense" and not view.reader.manifest.keyword:
+            if mode == "keyword":
+                raise SearchError(
+                    f"index version {view.index_version} has no keyword index (built before keyword search "
+                    "existed): build a new version (streamrag index build) or search with mode dense.",
+                    status=409,
+                )
+            mode = "dense"  # hybrid on such a version: the response's mode says so
         t1 = time.perf_counter()
-        vector = self.queries.embed(query)
+        vector = self.queries.embed(query) if mode != "keyword" else None
         t2 = time.perf_counter()
         try:
-            result = self.search_vector(view, vector, k, principal, with_vectors, where)
+            result = self.search_view(view, query, vector, k, principal, with_vectors, where, mode)
         except (ManifestError, NotFound) as exc:
             if as_of is None or view.index_version == self._require_reader().manifest.version:
                 raise
@@ -101,44 +115,123 @@ class SearchEngine(Views):
         with_vectors: bool = False,
         where: MetadataFilter | None = None,
     ) -> SearchResult:
+        """Dense search for a query vector."""
+        return self.search_view(view, None, vector, k, principal, with_vectors, where, "dense")
+
+    def search_view(
+        self,
+        view: View,
+        query: str | None,
+        vector: np.ndarray | None,
+        k: int,
+        principal: Principal,
+        with_vectors: bool,
+        where: MetadataFilter | None,
+        mode: str,
+    ) -> SearchResult:
         reader, tail = view.reader, view.tail
-        nlist = reader.manifest.nlist
         allow = shard_filter(tail, principal.groups, where)
-        nprobe = min(self.options.nprobe or default_nprobe(nlist), nlist)
-        query = np.ascontiguousarray(vector[None, :], dtype=np.float32)
-        while True:
-            hits = reader.search(query, k, nprobe, allow)[0]
-            if len(hits) >= k or nprobe >= nlist:
-                break
-            nprobe = min(nlist, nprobe * 4)
-            metrics.NPROBE_WIDENED.inc()
         tail_allowed = tail.allowed(principal.groups)
         if where is not None and tail.n:
             tail_allowed = tail_allowed & where.mask(tail.table.column("metadata"), tail.n)
-        merged: list[tuple[float, str, Any]] = [(h.distance, "index", h) for h in hits]
-        merged += [(d, "tail", i) for i, d in tail.search(vector, k, tail_allowed)]
-        merged.sort(key=lambda m: m[0])
-        merged = merged[:k]
-        index_hits = [h for _, origin, h in merged if origin == "index"]
-        index_rows = iter(reader.rows(index_hits, RESULT_COLUMNS))
-        tail_refs = [i for _, origin, i in merged if origin == "tail"]
-        tail_rows = iter(take_rows(tail.table, tail_refs, [*RESULT_COLUMNS, "lake_version"]))
-        results = []
-        for distance, origin, _ in merged:  # both row lists are in merged order
-            score = 1.0 - distance / 2.0
-            if origin == "index":
-                row = next(index_rows)
-                results.append(result_record(row, score, reader.manifest.lake_version, reader.manifest.version, origin))
-            else:
-                row = next(tail_rows)
-                results.append(result_record(row, score, row["lake_version"], reader.manifest.version, origin))
-        vectors = None
-        if with_vectors and merged:
-            index_vectors = iter(reader.vectors(index_hits))
-            tail_vectors = iter(tail.vectors[tail_refs]) if tail_refs else iter(())
-            vectors = np.stack([next(index_vectors) if origin == "index" else next(tail_vectors)
-                                for _, origin, _ in merged])  # fmt: skip
+        depth = k if mode != "hybrid" else max(k, self.options.fusion_depth)
+        lists: dict[str, list[Candidate]] = {}
+        nprobe = 0
+        if mode != "keyword":
+            assert vector is not None
+            lists["dense"], nprobe = self._dense(reader, tail, vector, depth, allow, tail_allowed)
+        if mode != "dense":
+            assert query is not None
+            lists["keyword"] = keyword_search(
+                self.keywords, reader, tail, query, depth, principal.groups, allow, tail_allowed
+            )
+        picked = self._fuse(lists, k) if mode == "hybrid" else _ranked(lists[mode], mode, k)
+        results, vectors = self._materialize(view, picked, with_vectors)
         # Only the tail rows this caller may see are counted: the total would tell an outsider
         # how many hidden chunks changed since the index.
         visible_tail = int(tail_allowed.sum())
-        return SearchResult(results, reader.manifest.version, tail.version, nprobe, visible_tail, {}, vectors)
+        return SearchResult(results, reader.manifest.version, tail.version, nprobe, visible_tail, {}, vectors, mode)
+
+    def _dense(
+        self,
+        reader: IndexReader,
+        tail: TailState,
+        vector: np.ndarray,
+        depth: int,
+        allow: Allow,
+        tail_allowed: np.ndarray,
+    ) -> tuple[list[Candidate], int]:
+        """The ``depth`` nearest visible chunks (cosine similarity, best first), and the lists probed."""
+        nlist = reader.manifest.nlist
+        nprobe = min(self.options.nprobe or default_nprobe(nlist), nlist)
+        query = np.ascontiguousarray(vector[None, :], dtype=np.float32)
+        while True:
+            hits = reader.search(query, depth, nprobe, allow)[0]
+            if len(hits) >= depth or nprobe >= nlist:
+                break
+            nprobe = min(nlist, nprobe * 4)
+            metrics.NPROBE_WIDENED.inc()
+        merged: list[tuple[float, str, Hit | int]] = [(h.distance, "index", h) for h in hits]
+        merged += [(d, "tail", i) for i, d in tail.search(vector, depth, tail_allowed)]
+        merged.sort(key=lambda m: m[0])
+        return [(1.0 - d / 2.0, origin, ref) for d, origin, ref in merged[:depth]], nprobe
+
+    def _fuse(self, lists: dict[str, list[Candidate]], k: int) -> list[Picked]:
+        """Weighted reciprocal-rank fusion: sum over retrievers of weight / (rrf_k + rank)."""
+        weights = {"dense": self.options.dense_weight, "keyword": self.options.keyword_weight}
+        fused: dict[tuple[str, int, int], Picked] = {}
+        for name, found in lists.items():
+            for rank, (score, origin, ref) in enumerate(found, 1):
+                key = _identity(origin, ref)
+                entry = fused.get(key)
+                if entry is None:
+                    entry = fused[key] = (0.0, origin, ref, {})
+                share = weights[name] / (self.options.rrf_k + rank)
+                entry[3][name] = {"rank": rank, "score": round(float(score), 6)}
+                fused[key] = (entry[0] + share, origin, ref, entry[3])
+        order = sorted(fused.values(), key=lambda e: (-e[0], e[3].get("dense", {}).get("rank", 1 << 30)))
+        return order[:k]
+
+    def _materialize(
+        self, view: View, picked: list[Picked], with_vectors: bool
+    ) -> tuple[list[dict[str, Any]], np.ndarray | None]:
+        """The picked candidates as results (lineage rows read once per origin), and their vectors."""
+        reader, tail = view.reader, view.tail
+        index_hits = [ref for _, _, ref, _ in picked if isinstance(ref, Hit)]
+        index_rows = iter(reader.rows(index_hits, RESULT_COLUMNS))
+        tail_refs = [ref for _, _, ref, _ in picked if not isinstance(ref, Hit)]
+        tail_rows = iter(take_rows(tail.table, tail_refs, [*RESULT_COLUMNS, "lake_version"]))
+        results = []
+        version = reader.manifest.version
+        for score, origin, _, retrievers in picked:  # both row lists are in picked order
+            if origin == "index":
+                record = result_record(next(index_rows), score, reader.manifest.lake_version, version, origin)
+            else:
+                row = next(tail_rows)
+                record = result_record(row, score, row["lake_version"], version, origin)
+            record["retrievers"] = retrievers
+            results.append(record)
+        vectors = None
+        if with_vectors and picked:
+            index_vectors = iter(reader.vectors(index_hits))
+            tail_vectors = iter(tail.vectors[tail_refs]) if tail_refs else iter(())
+            vectors = np.stack([next(index_vectors) if origin == "index" else next(tail_vectors)
+                                for _, origin, _, _ in picked])  # fmt: skip
+        return results, vectors
+
+
+#: a retriever's candidate: (score: higher is better, "index" | "tail", a shard Hit or a tail row)
+Candidate = tuple[float, str, "Hit | int"]
+#: a result to return: (score, origin, ref, {retriever: {"rank", "score"}})
+Picked = tuple[float, str, "Hit | int", dict[str, dict[str, float]]]
+
+
+def _identity(origin: str, ref: Hit | int) -> tuple[str, int, int]:
+    if isinstance(ref, Hit):
+        return (origin, ref.shard, ref.faiss_id)
+    return (origin, -1, ref)
+
+
+def _ranked(found: list[Candidate], name: str, k: int) -> list[Picked]:
+    return [(score, origin, ref, {name: {"rank": rank, "score": round(float(score), 6)}})
+            for rank, (score, origin, ref) in enumerate(found[:k], 1)]  # fmt: skip

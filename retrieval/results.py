@@ -81,6 +81,8 @@ class SearchResult:
     timings: dict[str, float]
     #: the stored embedding of each result, in order (answers compare sentences with them)
     vectors: np.ndarray | None = None
+    #: how results were ranked: "hybrid", "dense" or "keyword"
+    mode: str = "dense"
 
 
 def iso(value: Any) -> Any:

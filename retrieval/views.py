@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from indexing.manifest import ManifestError, latest_version, load_manifest, versions
@@ -24,6 +25,7 @@ from pipelines.lake import Lake
 from retrieval import metrics
 from retrieval.delta_log import TailError
 from retrieval.errors import SearchError
+from retrieval.keyword import KeywordCopies
 from retrieval.tail import LakeTail, TailState, tail_at
 from serving.embedder import Embedder
 
@@ -41,6 +43,19 @@ class EngineOptions:
     #: fetch every shard of a new index version before switching to it (if the cache can hold it)
     prefetch: bool = True
     prefetch_bytes: int = 2 << 30
+    #: how /v1/search ranks when a request does not say: "hybrid", "dense" or "keyword"
+    mode: str = "hybrid"
+    #: hybrid: each retriever's candidates, and reciprocal-rank fusion's constant and weights
+    fusion_depth: int = 50
+    rrf_k: int = 60
+    dense_weight: float = 1.0
+    keyword_weight: float = 0.5
+    #: where replicas keep keyword index files (None: a temporary directory)
+    keyword_dir: str | None = None
+
+
+#: search modes: fused keyword and vector, vector only, keyword (BM25) only
+MODES = ("hybrid", "dense", "keyword")
 
 
 @dataclass(frozen=True)
@@ -87,6 +102,7 @@ class Views:
         self._versions_lock = threading.Lock()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.keywords = KeywordCopies(Path(options.keyword_dir) if options.keyword_dir else None)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -99,6 +115,8 @@ class Views:
         )
         while self._tail.poll():  # catch up fully: until then, changes after the index are unfiltered
             pass
+        if self.options.mode != "dense":
+            self.keywords.prepare(reader)  # before ready: the first hybrid query would wait for it
         self._reader = reader
         metrics.INDEX_VERSION.set(reader.manifest.version)
         self.ready = True
@@ -123,6 +141,7 @@ class Views:
             self._tail.stop()
         if self._watcher is not None:
             self._watcher.join(10)
+        self.keywords.close()
 
     def _open(self, version: int | None) -> IndexReader:
         reader = IndexReader(self.store, version, source=self.source)
@@ -157,6 +176,8 @@ class Views:
         total = sum(f.bytes for s in reader.manifest.shards for f in s.opened())  # what opening every shard fetches
         if self.options.prefetch and total <= self.options.prefetch_bytes:
             reader.shards(range(len(reader.manifest.shards)))  # warm before the first query needs it
+        if self.options.mode != "dense":
+            self.keywords.prepare(reader)
         self._reader = reader  # queries that already hold the old pair finish on it
         self._tail.rebase(reader.manifest.lake_version, reader.manifest.writer_seqs or None)
         metrics.INDEX_SWAPS.inc()

@@ -3,8 +3,11 @@
 Invariants checked on every example, against an oracle computed from the lake itself:
 - no result is a chunk its caller may not see (per the chunk's *current* ACL);
 - visible matches are not lost to filtering: a caller who can see n chunks gets
-  min(k, n) results, and with every list probed the results are exactly the top-k of an
-  exact search over the caller's visible set.
+  min(k, n) results (keyword search: n is the visible chunks holding a query word), and
+  with every list probed the dense results are exactly the top-k of an exact search over
+  the caller's visible set.
+
+Every search mode (dense, keyword, hybrid) is held to the same invariants.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pipelines.lake import current_chunks, embeddings
 from pipelines.storage import ObjectStoreSettings
 from retrieval.acl import Principal
 from retrieval.engine import SearchEngine
-from retrieval.views import EngineOptions
+from retrieval.views import MODES, EngineOptions
 from serving.fake_embedder import FakeEmbedder
 from tests.retrieval.lakes import Doc, DocLake
 
@@ -73,8 +76,14 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         engine = SearchEngine(lake.lake, store, embedder, None, EngineOptions(nprobe=nprobe))
         engine.start(background=False)
         engines[name] = engine
-    live = current_chunks(lake.lake, columns=["chunk_id", "acl", "embedding"])
+    live = current_chunks(lake.lake, columns=["chunk_id", "acl", "embedding", "text"])
     return engines, embedder, live
+
+
+def matching(texts: list[str], query: str) -> list[bool]:
+    """Which texts hold a word of the query (what keyword search can find)."""
+    words = set(query.split())
+    return [bool(words & set(t.split())) for t in texts]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -82,27 +91,33 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     groups=st.frozensets(st.sampled_from(GROUPS), max_size=3),
     words=st.lists(st.integers(0, 59), min_size=1, max_size=6),
     k=st.integers(1, 60),
+    mode=st.sampled_from(MODES),
 )
-def test_no_leak_and_no_visible_match_lost(world, groups: frozenset[str], words: list[int], k: int) -> None:  # type: ignore[no-untyped-def]
+def test_no_leak_and_no_visible_match_lost(world, groups: frozenset[str], words: list[int], k: int, mode: str) -> None:  # type: ignore[no-untyped-def]
     engines, embedder, live = world
     query = " ".join(f"w{w}" for w in words)
     acl = {cid: set(a or ()) for cid, a in zip(live["chunk_id"].to_pylist(), live["acl"].to_pylist(), strict=True)}
     visible = [i for i, cid in enumerate(live["chunk_id"].to_pylist()) if not acl[cid] or acl[cid] & groups]
+    texts = live["text"].to_pylist()
+    holding = matching(texts, query)
+    expected = min(k, len(visible) if mode != "keyword" else sum(holding[i] for i in visible))
     who = Principal("p", groups)
 
     for engine in engines.values():
-        result = engine.search(query, k, who)
+        result = engine.search(query, k, who, mode=mode)
         got = [r["chunk_id"] for r in result.results]
         assert all(cid in acl for cid in got), "a deleted or superseded chunk was returned"
         leaked = [cid for cid in got if acl[cid] and not acl[cid] & groups]
-        assert not leaked, f"{who} saw {leaked}"
-        assert len(got) == len(set(got)) == min(k, len(visible))
+        assert not leaked, f"{who} saw {leaked} ({mode})"
+        assert len(got) == len(set(got)) == expected, mode
+        if mode == "keyword":
+            assert all(matching([r["text"]], query)[0] for r in result.results)
 
     # Probing every list is exact search over the visible set: same scores as the oracle.
     vectors = embeddings(live.take(visible))
     q = embedder.embed([query])[0]
     oracle = np.sort(1.0 - (2.0 - 2.0 * vectors @ q) / 2.0)[::-1][:k]
-    scores = [r["score"] for r in engines["exhaustive"].search(query, k, who).results]
+    scores = [r["score"] for r in engines["exhaustive"].search(query, k, who, mode="dense").results]
     assert np.allclose(scores, oracle, atol=1e-4)
 
 
@@ -123,12 +138,16 @@ def history(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return lake, store, embedder, docs, indexed_at, opts
 
 
-def _check(engine: SearchEngine, lake: DocLake, query: str, k: int, who: Principal, as_of: int | None) -> None:
-    live = current_chunks(lake.lake, version=as_of, columns=["chunk_id", "acl"])
+def _check(
+    engine: SearchEngine, lake: DocLake, query: str, k: int, who: Principal, as_of: int | None, mode: str
+) -> None:
+    live = current_chunks(lake.lake, version=as_of, columns=["chunk_id", "acl", "text"])
     acl = {cid: set(a or ()) for cid, a in zip(live["chunk_id"].to_pylist(), live["acl"].to_pylist(), strict=True)}
-    visible = sum(1 for a in acl.values() if not a or a & who.groups)
-    got = [r["chunk_id"] for r in engine.search(query, k, who, as_of).results]
-    when = "live" if as_of is None else f"as_of={as_of}"
+    holding = dict(zip(live["chunk_id"].to_pylist(), matching(live["text"].to_pylist(), query), strict=True))
+    visible = sum(1 for c, a in acl.items() if (not a or a & who.groups) and (mode != "keyword" or holding[c]))
+    result = engine.search(query, k, who, as_of, mode=mode)
+    got = [r["chunk_id"] for r in result.results]
+    when = ("live" if as_of is None else f"as_of={as_of}") + f", {mode}"
     assert all(cid in acl for cid in got), f"{when}: a chunk deleted or superseded by then was returned"
     leaked = [cid for cid in got if acl[cid] and not acl[cid] & who.groups]
     assert not leaked, f"{when}: {who} saw {leaked}"
@@ -187,4 +206,4 @@ def test_as_of_live_queries_and_restarts_interleaved_never_leak(history, steps: 
             query = " ".join(f"w{rng.randrange(40)}" for _ in range(3))
             newest = engine.current_view().lake_version
             as_of = rng.randint(indexed_at, newest) if kind == "as_of" else None
-            _check(engine, lake, query, rng.randint(1, 40), who, as_of)
+            _check(engine, lake, query, rng.randint(1, 40), who, as_of, rng.choice(MODES))

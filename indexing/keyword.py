@@ -1,0 +1,265 @@
+"""The keyword (BM25) index of an index version: a tantivy index beside the vector shards.
+
+``index build`` writes one tantivy index per full build, over every row of its shards
+(title and text, stemmed English; the ACL groups as raw terms), and names its files in the
+manifest, so it is published, verified (sha256) and garbage-collected with the shards.
+An incremental version shares its base's keyword index as it shares the base's shards:
+its delta rows are added by the replica when it opens the version (a delta is at most
+``--max-delta`` of the rows), and its dead rows are filtered like the dense path's.
+
+A document's ``key`` says which row it is: ``shard << 32 | faiss_id`` for an index row,
+``TAIL | row`` for a row of the lake's tail (``retrieval.keyword`` adds those). Queries
+are tokenised here with the same analyser as the ``en_stem`` field, so no query syntax is
+parsed: a user's text cannot fail to parse or turn into field queries.
+
+A replica works on a *copy*: the version's files are fetched once into a pristine
+directory, and each copy hard-links them (tantivy never rewrites a segment file) and adds
+its own documents, so term statistics (BM25's idf) are those of one index holding both the
+version's rows and the fresh ones, and a freshly changed document scores as it would
+after the next build.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import tantivy
+
+from indexing.manifest import FileRef, ShardRef, get_verified, put_file
+from indexing.store import ObjectStore
+
+log = logging.getLogger(__name__)
+
+#: the key bit of a tail row's document (index rows: shard << 32 | faiss id)
+TAIL = 1 << 63
+#: the ACL term of a public row (no group can be named this: group names are printable)
+PUBLIC = "\x00public"
+#: the columns a keyword document is made of
+COLUMNS = ["title", "text", "acl"]
+#: tantivy's writer heap (it needs at least 15 MB per thread)
+WRITER_HEAP = 64 << 20
+#: a tantivy file that is never part of an index's content
+_LOCKS = (".tantivy-meta.lock", ".tantivy-writer.lock")
+
+
+def index_key(shard: int, faiss_id: int) -> int:
+    return shard << 32 | faiss_id
+
+
+def schema() -> tantivy.Schema:
+    builder = tantivy.SchemaBuilder()
+    builder.add_text_field("title", tokenizer_name="en_stem", index_option="freq")
+    builder.add_text_field("text", tokenizer_name="en_stem", index_option="freq")
+    builder.add_text_field("acl", tokenizer_name="raw", index_option="basic")
+    builder.add_unsigned_field("key", indexed=True, fast=True)
+    return builder.build()
+
+
+SCHEMA = schema()
+#: tantivy's ``en_stem`` analyser, rebuilt to tokenise queries exactly as documents were
+ANALYZER = (
+    tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
+    .filter(tantivy.Filter.remove_long(40))
+    .filter(tantivy.Filter.lowercase())
+    .filter(tantivy.Filter.stemmer("english"))
+    .build()
+)
+#: (field, weight): a title term counts as much as a body term (measured: benchmarks/quality.py)
+FIELDS = (("title", 1.0), ("text", 1.0))
+
+
+def terms(query: str) -> list[str]:
+    """The query's distinct terms, in order."""
+    return list(dict.fromkeys(ANALYZER.analyze(query)))
+
+
+def document(key: int, title: str | None, text: str | None, acl: Sequence[str] | None) -> tantivy.Document:
+    doc = tantivy.Document()
+    doc.add_unsigned("key", key)
+    if title:
+        doc.add_text("title", title)
+    doc.add_text("text", text or "")
+    for group in acl or (PUBLIC,):
+        doc.add_text("acl", group)
+    return doc
+
+
+@dataclass(frozen=True)
+class Match:
+    key: int
+    score: float
+
+
+class KeywordIndex:
+    """A tantivy index in a local directory, written by one writer at a time, searched by many."""
+
+    def __init__(self, path: Path, create: bool = False) -> None:
+        self.path = path
+        self.index = tantivy.Index(SCHEMA, path=str(path), reuse=False) if create else tantivy.Index.open(str(path))
+        self._writer: Any = None
+        self._lock = threading.Lock()
+        self.searcher = self.index.searcher()
+
+    def add(self, docs: Iterable[tantivy.Document]) -> int:
+        """Add documents and commit them (visible to searches once this returns)."""
+        with self._lock:
+            if self._writer is None:
+                self._writer = self.index.writer(heap_size=WRITER_HEAP, num_threads=1)
+            n = 0
+            for doc in docs:
+                self._writer.add_document(doc)
+                n += 1
+            if n:
+                self._writer.commit()
+                self.index.reload()
+                self.searcher = self.index.searcher()
+            return n
+
+    def close(self) -> None:
+        with self._lock:
+            if self._writer is not None:
+                self._writer.wait_merging_threads()  # also releases the writer's lock
+                self._writer = None
+
+    def search(self, query_terms: list[str], groups: frozenset[str], limit: int) -> list[Match]:
+        """The best ``limit`` documents a caller in ``groups`` may see (by their ACL terms) for any of the terms."""
+        if not query_terms or limit <= 0:
+            return []
+        clauses = [
+            (tantivy.Occur.Should, _boosted(tantivy.Query.term_query(SCHEMA, field, term, index_option="freq"), w))
+            for term in query_terms
+            for field, w in FIELDS
+        ]
+        visible = tantivy.Query.term_set_query(SCHEMA, "acl", sorted({PUBLIC, *groups}))
+        query = tantivy.Query.boolean_query(
+            [
+                (tantivy.Occur.Must, tantivy.Query.boolean_query(clauses)),
+                (tantivy.Occur.Must, tantivy.Query.const_score_query(visible, 0.0)),
+            ]
+        )
+        searcher = self.searcher
+        hits = searcher.search(query, limit, count=False).hits
+        keys = searcher.fast_field_values("key", [address for _, address in hits])
+        return [Match(int(key or 0), float(score)) for (score, _), key in zip(hits, keys, strict=True)]
+
+    @property
+    def docs(self) -> int:
+        return int(self.searcher.num_docs)
+
+
+def _boosted(query: tantivy.Query, weight: float) -> tantivy.Query:
+    return query if weight == 1.0 else tantivy.Query.boost_query(query, weight)
+
+
+# -- building --------------------------------------------------------------------------
+
+
+def shard_documents(shard: int, ids: pa.Table) -> Iterable[tantivy.Document]:
+    columns = ids.select([c for c in COLUMNS if c in ids.column_names]).to_pydict()
+    titles = columns.get("title") or [None] * ids.num_rows
+    fids = ids.column("faiss_id").to_pylist()
+    for fid, title, text, acl in zip(fids, titles, columns["text"], columns["acl"], strict=True):
+        yield document(index_key(shard, fid), title, text, acl)
+
+
+def build_keyword_index(
+    store: ObjectStore, prefix: str, shards: list[ShardRef], progress: bool = False
+) -> tuple[list[FileRef], dict[str, Any]]:
+    """Index every row of ``shards`` (read back from their id maps) and write the index's
+    files under ``prefix/keyword/``; return their refs and the build's figures."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="streamrag-keyword-"))
+    try:
+        index = KeywordIndex(work, create=True)
+        writer = index.index.writer(heap_size=WRITER_HEAP * 2, num_threads=2)
+        docs = 0
+        for s, ref in enumerate(tqdm(shards, desc="keyword index", disable=not progress, leave=False)):
+            ids = pq.read_table(pa.BufferReader(get_verified(store, ref.ids)), columns=[*COLUMNS, "faiss_id"])
+            for doc in shard_documents(s, ids):
+                writer.add_document(doc)
+                docs += 1
+        writer.commit()
+        writer.wait_merging_threads()
+        index_s = time.perf_counter() - t0
+        refs = [
+            put_file(store, f"{prefix}/keyword/{_stored_name(name)}", (work / name).read_bytes())
+            for name in sorted(os.listdir(work))
+            if name not in _LOCKS
+        ]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    stats = {
+        "docs": docs,
+        "bytes": sum(r.bytes for r in refs),
+        "files": len(refs),
+        "index_s": round(index_s, 3),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    return refs, stats
+
+
+# -- a replica's copies ----------------------------------------------------------------
+
+
+def fetch_pristine(store: ObjectStore, refs: list[FileRef], root: Path) -> Path:
+    """The version's keyword files in a local directory (fetched and verified once; reused
+    while the directory is complete)."""
+    name = refs[0].key.rsplit("/keyword/", 1)[0].replace("/", "_")
+    path = root / f"pristine-{name}"
+    done = path / ".complete"
+    if done.exists():
+        return path
+    staging = Path(tempfile.mkdtemp(prefix="fetching-", dir=root))
+    try:
+        for ref in refs:
+            (staging / _local_name(ref)).write_bytes(get_verified(store, ref))
+        (staging / ".complete").write_text("")
+        try:
+            staging.rename(path)
+        except OSError:  # another thread fetched it first
+            if not done.exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def _stored_name(name: str) -> str:
+    """Object stores and their listings may hide dot files (tantivy's ``.managed.json``):
+    stored as ``_managed.json`` (tantivy's own names never start with ``_``)."""
+    return "_" + name[1:] if name.startswith(".") else name
+
+
+def _local_name(ref: FileRef) -> str:
+    name = ref.key.rsplit("/", 1)[1]
+    return "." + name[1:] if name.startswith("_") else name
+
+
+def working_copy(pristine: Path, root: Path) -> KeywordIndex:
+    """A private, writable copy of a pristine index (segment files hard-linked, metadata copied)."""
+    path = Path(tempfile.mkdtemp(prefix="copy-", dir=root))
+    for name in os.listdir(pristine):
+        if name == ".complete":
+            continue
+        source = pristine / name
+        if name.endswith(".json"):  # tantivy replaces these (write + rename); copy them anyway
+            shutil.copyfile(source, path / name)
+        else:
+            try:
+                os.link(source, path / name)
+            except OSError:  # another file system: copy
+                shutil.copyfile(source, path / name)
+    return KeywordIndex(path)

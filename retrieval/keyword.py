@@ -1,0 +1,156 @@
+"""Keyword (BM25) search over a view: the index version's keyword index plus the fresh tail.
+
+Each (index version, tail log) pair a replica searches gets a working copy of the
+version's keyword index (``indexing.keyword``) to which the replica adds, once, the
+version's delta rows (an incremental build) and, as the tail grows, its rows: a copy is
+brought up to a snapshot's rows before the snapshot is searched, so a changed document is
+found by keyword as soon as the tail has it, and at work proportional to the new rows.
+
+What a caller may see is decided exactly as for dense search. The caller's groups filter
+inside tantivy's scan (ACL terms), and every candidate then passes the dense path's own
+masks: an index row must be live in the version (incremental builds' dead rows), not
+superseded by the tail, and match the metadata filter; a tail row must be in the snapshot
+(``as_of`` snapshots see a prefix), the newest version of its chunk, visible and
+matching. When too few candidates pass, the search widens (4× deeper, up to every match),
+so a caller who can see ``depth`` matches gets them.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from indexing.keyword import TAIL, KeywordIndex, Match, document, fetch_pristine, shard_documents, terms, working_copy
+from indexing.reader import Allow, Hit, IndexReader
+from retrieval.tail import TailLog, TailState
+
+log = logging.getLogger(__name__)
+
+#: the first keyword search fetches this many × depth candidates before widening
+OVERFETCH = 2
+
+
+class _Copy:
+    """One working copy: the version's keyword index, its delta rows, and tail rows [0, rows)."""
+
+    def __init__(self, index: KeywordIndex) -> None:
+        self.index = index
+        self.rows = 0
+        self.lock = threading.Lock()
+        self._cleanup = weakref.finalize(self, _remove, index.path)
+
+    def sync(self, tail: TailState) -> None:
+        """Add the snapshot's tail rows this copy lacks (deletes carry no text: not indexed)."""
+        if self.rows >= tail.n:
+            return
+        with self.lock:
+            start = self.rows
+            if start >= tail.n:
+                return
+            rows = tail.table.slice(start, tail.n - start).select(["op", "title", "text", "acl"]).to_pydict()
+            self.index.add(
+                document(TAIL | (start + j), title, text, acl)
+                for j, (op, title, text, acl) in enumerate(
+                    zip(rows["op"], rows["title"], rows["text"], rows["acl"], strict=True)
+                )
+                if op == "upsert"
+            )
+            self.rows = tail.n
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class KeywordCopies:
+    """The keyword working copies of one replica, under one local directory."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        #: pristine copies live here (kept across restarts when ``root`` is given); working copies below
+        self.temporary = root is None
+        self.root = Path(tempfile.mkdtemp(prefix="streamrag-keyword-")) if root is None else root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.work = Path(tempfile.mkdtemp(prefix="work-", dir=self.root))
+        self._copies: weakref.WeakKeyDictionary[TailLog, dict[str, _Copy]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def copy_for(self, reader: IndexReader, tail: TailState) -> _Copy:
+        """The working copy for this view, made on first use and brought up to ``tail``."""
+        build = reader.manifest.build_id
+        with self._lock:
+            found = self._copies.setdefault(tail.log, {}).get(build)
+            if found is None:
+                found = self._copies[tail.log][build] = self._make(reader)
+        found.sync(tail)
+        return found
+
+    def prepare(self, reader: IndexReader) -> None:
+        """Fetch a version's keyword files ahead of its first query (a no-op without them)."""
+        if reader.manifest.keyword:
+            fetch_pristine(reader.store, reader.manifest.keyword, self.root)
+
+    def _make(self, reader: IndexReader) -> _Copy:
+        manifest = reader.manifest
+        copy = _Copy(working_copy(fetch_pristine(reader.store, manifest.keyword, self.root), self.work))
+        deltas = [s for s, ref in enumerate(manifest.shards) if ref.delta]
+        for s, shard in reader.shards(deltas).items():  # an incremental version's rows the base's index lacks
+            copy.index.add(shard_documents(s, shard.ids))
+        return copy
+
+    def close(self) -> None:
+        with self._lock:
+            self._copies = weakref.WeakKeyDictionary()
+        shutil.rmtree(self.root if self.temporary else self.work, ignore_errors=True)
+
+
+#: a keyword candidate: (BM25 score, "index" | "tail", a Hit or a tail row)
+Candidate = tuple[float, str, Hit | int]
+
+
+def keyword_search(
+    copies: KeywordCopies,
+    reader: IndexReader,
+    tail: TailState,
+    query: str,
+    depth: int,
+    groups: frozenset[str],
+    allow: Allow,
+    tail_allowed: np.ndarray,
+) -> list[Candidate]:
+    """The ``depth`` best keyword matches the caller may see, best first."""
+    wanted = terms(query)
+    if not wanted:
+        return []
+    copy = copies.copy_for(reader, tail)
+    limit = max(depth * OVERFETCH, 20)
+    while True:
+        matches = copy.index.search(wanted, groups, limit)
+        found = list(_visible(reader, tail, matches, allow, tail_allowed))
+        if len(found) >= depth or len(matches) < limit:
+            return found[:depth]
+        limit *= 4
+
+
+def _visible(
+    reader: IndexReader, tail: TailState, matches: list[Match], allow: Allow, tail_allowed: np.ndarray
+) -> Iterator[Candidate]:
+    shards = {m.key >> 32 for m in matches if not m.key & TAIL}
+    loaded = reader.shards(shards)
+    masks = {s: reader.row_mask(s, shard, allow) for s, shard in loaded.items()}
+    for m in matches:
+        if m.key & TAIL:
+            row = m.key & ~TAIL
+            if row < tail.n and tail_allowed[row]:
+                yield (m.score, "tail", row)
+        else:
+            s, fid = m.key >> 32, m.key & 0xFFFFFFFF
+            mask = masks[s]
+            if mask is None or (fid < len(mask) and mask[fid]):
+                yield (m.score, "index", Hit(s, fid, 0.0))

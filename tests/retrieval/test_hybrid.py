@@ -1,0 +1,215 @@
+"""Keyword and hybrid search: the keyword index beside the shards, kept fresh by the tail.
+
+The fake embedder's vectors share nothing between texts without common words, so a word
+found here was found by the keyword index, not by luck of the dense path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+
+from indexing.ivf import BuildOptions, build_index
+from indexing.keyword import terms
+from indexing.manifest import ManifestError, load_manifest, publish
+from indexing.snapshot import plan
+from indexing.store import LocalStore
+from pipelines.storage import ObjectStoreSettings
+from retrieval.acl import Principal
+from retrieval.cache import ShardCache
+from retrieval.engine import SearchEngine
+from retrieval.errors import SearchError
+from retrieval.views import EngineOptions
+from serving.fake_embedder import FakeEmbedder
+from tests.retrieval.lakes import Doc, DocLake
+
+OPTS = BuildOptions(nlist=8, iterations=5, shard_bytes=8_000, progress=False, reuse_centroids=True)
+HR = Principal("hana", frozenset({"hr"}))
+
+
+def corpus(n: int = 200, seed: int = 0) -> list[Doc]:
+    rng = random.Random(seed)
+    docs = []
+    for pk in range(n):
+        text = f"note {pk} " + " ".join(f"w{rng.randrange(300)}" for _ in range(8))
+        docs.append(Doc(pk, text, ("hr",) if pk % 10 == 0 else ()))
+    return docs
+
+
+def build(lake: DocLake, index: Path, **changes: object) -> int:
+    store = LocalStore(str(index))
+    opts = dataclasses.replace(OPTS, **changes)  # type: ignore[arg-type]
+    return publish(store, build_index(plan(lake.lake), store.root, ObjectStoreSettings(), opts))
+
+
+def engine_for(lake: DocLake, index: Path, cache: Path | None = None, **options: object) -> SearchEngine:
+    engine = SearchEngine(
+        lake.lake, LocalStore(str(index)), lake.embedder, ShardCache(cache) if cache else None,
+        EngineOptions(nprobe=2, **options),  # type: ignore[arg-type]
+    )  # fmt: skip
+    engine.start(background=False)
+    return engine
+
+
+@pytest.fixture(params=["flat", "sq8"])
+def setup(request: pytest.FixtureRequest, tmp_path: Path, ray_local: None):  # type: ignore[no-untyped-def]
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
+    docs = corpus()
+    docs[42] = Doc(42, "how to call os.replace with dirs_exist_ok set")
+    docs[50] = Doc(50, "the EAGAIN payroll secret", ("hr",))
+    lake.write(docs)
+    build(lake, tmp_path / "index", codec=request.param)
+    return engine_for(lake, tmp_path / "index"), lake, docs
+
+
+def ids(result) -> list[str]:  # type: ignore[no-untyped-def]
+    return [r["chunk_id"] for r in result.results]
+
+
+def test_queries_are_tokenised_like_documents_and_never_parsed() -> None:
+    assert terms("os.replace(dirs_exist_ok=True)") == ["os", "replac", "dir", "exist", "ok", "true"]
+    assert terms('title:"x" AND -y (z') == ["titl", "x", "and", "y", "z"]  # no field, phrase or boolean syntax
+    assert terms("?!") == []
+
+
+def test_keyword_finds_identifiers_with_lineage(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, _, docs = setup
+    result = engine.search("os.replace", k=3, mode="keyword")
+    assert result.mode == "keyword" and ids(result)[0] == docs[42].chunk_id
+    top = result.results[0]
+    assert top["origin"] == "index" and top["source"]["pk"] == "42" and top["retrievers"]["keyword"]["rank"] == 1
+    assert top["score"] == top["retrievers"]["keyword"]["score"] > 0
+    assert engine.search("zzz-unknown-word", k=3, mode="keyword").results == []
+
+
+def test_hybrid_fuses_both_retrievers_and_says_which_found_each(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, _, docs = setup
+    result = engine.search(docs[42].text, k=5)  # the default mode
+    assert result.mode == "hybrid" and ids(result)[0] == docs[42].chunk_id
+    assert set(result.results[0]["retrievers"]) == {"dense", "keyword"}
+    ranks = result.results[0]["retrievers"]
+    assert ranks["dense"]["rank"] == ranks["keyword"]["rank"] == 1
+    expected = 1.0 / (60 + 1) + 0.5 / (60 + 1)  # the default weights and constant
+    assert result.results[0]["score"] == pytest.approx(expected, abs=1e-6)
+    scores = [r["score"] for r in result.results]
+    assert scores == sorted(scores, reverse=True)
+    dense_only = engine.search(docs[42].text, k=5, mode="dense")
+    assert dense_only.mode == "dense" and all(set(r["retrievers"]) == {"dense"} for r in dense_only.results)
+
+
+def test_acl_filters_inside_the_keyword_scan(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, _, docs = setup
+    for mode in ("keyword", "hybrid"):
+        assert docs[50].chunk_id not in ids(engine.search("EAGAIN payroll", k=50, mode=mode))
+        assert ids(engine.search("EAGAIN payroll", k=1, principal=HR, mode=mode)) == [docs[50].chunk_id]
+    # 20 of 200 notes are HR's and every note says "note"
+    hr = engine.search("note", k=100, principal=HR, mode="keyword")
+    assert len(hr.results) == 100
+    public = engine.search("note", k=100, mode="keyword")
+    assert len(public.results) == 100 and not {d.chunk_id for d in docs if d.acl} & set(ids(public))
+
+
+def test_keyword_search_widens_past_deleted_rows_until_k_are_found(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, lake, docs = setup
+    deleted = [d for d in docs if not d.acl][:100]
+    lake.write(deleted, op="delete")
+    engine._tail.poll()
+    # 180 public notes, 100 of them deleted since the index: the first, 2×-deep fetch holds
+    # at most 60 live ones; the search widens and finds all 80.
+    found = engine.search("note", k=80, mode="keyword")
+    assert len(found.results) == 80 and not {d.chunk_id for d in deleted} & set(ids(found))
+
+
+def test_the_tail_is_searchable_by_keyword_at_once_and_stale_copies_are_not(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, lake, docs = setup
+    old = docs[42]
+    new = Doc(42, "os.replace now documents xylophone behaviour")
+    lake.write([old], op="delete")
+    lake.write([new])
+    lake.write([docs[7]], op="delete")
+    lake.write([Doc(900, "a brand new quokka page")])
+    assert engine._tail is not None and engine._tail.poll()
+    found = engine.search("xylophone", k=3, mode="keyword")
+    assert ids(found) == [new.chunk_id] and found.results[0]["origin"] == "tail"
+    assert old.chunk_id not in ids(engine.search("dirs_exist_ok os.replace", k=50, mode="keyword"))
+    assert docs[7].chunk_id not in ids(engine.search(docs[7].text, k=50, mode="keyword"))
+    assert ids(engine.search("quokka", k=3, mode="hybrid"))[0] == Doc(900, "a brand new quokka page").chunk_id
+    # the tail's rows score with the whole index's term statistics: a fresh row is not buried
+    rewritten = engine.search("os.replace", k=1, mode="keyword")
+    assert ids(rewritten) == [new.chunk_id]
+
+
+def test_as_of_interleaved_with_live_keyword_queries(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, lake, docs = setup
+    before = lake.write([Doc(300, "walrus memo v1")])
+    engine._tail.poll()
+    lake.write([Doc(300, "walrus memo v1")], op="delete")
+    lake.write([Doc(300, "walrus memo v2", ("hr",))])
+    engine._tail.poll()
+    v1, v2 = Doc(300, "walrus memo v1").chunk_id, Doc(300, "walrus memo v2", ("hr",)).chunk_id
+    for _ in range(2):  # as_of, live, as_of again: each sees its own version's rows
+        assert ids(engine.search("walrus", k=5, as_of=before, mode="keyword")) == [v1]
+        assert ids(engine.search("walrus", k=5, mode="keyword")) == []  # v2 is HR's
+        assert ids(engine.search("walrus", k=5, principal=HR, mode="keyword")) == [v2]
+        assert ids(engine.search("walrus", k=5, as_of=before - 1, mode="keyword")) == []
+
+
+def test_incremental_versions_add_their_delta_rows_and_drop_their_dead_rows(tmp_path: Path, ray_local: None) -> None:
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
+    docs = corpus()
+    lake.write(docs)
+    build(lake, tmp_path / "index")
+    lake.write([docs[3]], op="delete")
+    lake.write([Doc(3, "narwhal rewritten note")])
+    lake.write([docs[4]], op="delete")
+    version = build(lake, tmp_path / "index")
+    manifest = load_manifest(LocalStore(str(tmp_path / "index")), version)
+    assert manifest.stats["incremental"] and manifest.keyword == load_manifest(
+        LocalStore(str(tmp_path / "index")), 1
+    ).keyword, "an incremental version shares its base's keyword index"
+    engine = engine_for(lake, tmp_path / "index")
+    assert engine.current_view().tail.n == 0
+    found = engine.search("narwhal", k=3, mode="keyword")
+    assert ids(found) == [Doc(3, "narwhal rewritten note").chunk_id] and found.results[0]["origin"] == "index"
+    for gone in (docs[3], docs[4]):
+        assert gone.chunk_id not in ids(engine.search(gone.text, k=50, mode="keyword"))
+
+
+def test_restart_reuses_fetched_files_and_a_corrupt_file_is_refused(tmp_path: Path, ray_local: None) -> None:
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
+    docs = corpus()
+    lake.write(docs)
+    build(lake, tmp_path / "index")
+    for _ in range(2):  # the second start finds the files on disk
+        engine = engine_for(lake, tmp_path / "index", tmp_path / "cache", keyword_dir=str(tmp_path / "kw"))
+        assert ids(engine.search(docs[9].text, k=1, mode="keyword")) == [docs[9].chunk_id]
+        engine.stop()
+    assert len(list((tmp_path / "kw").glob("pristine-*"))) == 1
+    assert not list((tmp_path / "kw").glob("work-*")), "working copies are removed at stop"
+    manifest = load_manifest(LocalStore(str(tmp_path / "index")))
+    victim = max(manifest.keyword, key=lambda f: f.bytes)
+    path = tmp_path / "index" / victim.key
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match="checksum"):
+        engine_for(lake, tmp_path / "index")  # a fresh replica must fetch it: it refuses to serve it
+
+
+def test_modes_are_checked_and_old_versions_without_a_keyword_index_say_so(tmp_path: Path, ray_local: None) -> None:
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
+    docs = corpus(50)
+    lake.write(docs)
+    build(lake, tmp_path / "index", keyword=False)
+    engine = engine_for(lake, tmp_path / "index")
+    with pytest.raises(SearchError, match="mode must be one of") as bad:
+        engine.search("x", mode="fuzzy")
+    assert bad.value.status == 422
+    with pytest.raises(SearchError, match="no keyword index") as old:
+        engine.search("note", mode="keyword")
+    assert old.value.status == 409
+    fallback = engine.search(docs[1].text, k=1)  # hybrid by default: dense alone, and the result says so
+    assert fallback.mode == "dense" and ids(fallback) == [docs[1].chunk_id]
