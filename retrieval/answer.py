@@ -127,6 +127,7 @@ class Answerer:
         where: MetadataFilter | None = None,
         style: str | None = None,
         unsupported: str = "flag",
+        mode: str | None = None,
     ) -> Prepared:
         style = style or self.options.style
         if style not in STYLES:
@@ -143,7 +144,7 @@ class Answerer:
         if not 1 <= k <= self.options.max_k:
             raise SearchError(f"k must be between 1 and {self.options.max_k}.")
         t0 = time.perf_counter()
-        result = self.engine.search(question, k, principal, as_of, with_vectors=True, where=where)
+        result = self.engine.search(question, k, principal, as_of, with_vectors=True, where=where, mode=mode)
         sources = [
             Source(n, r.get("title") or "", clip(r["text"], self.options.max_source_chars))
             for n, r in enumerate(result.results, 1)
@@ -287,6 +288,7 @@ class Answerer:
         payload: dict[str, Any] = {
             "answer_id": p.answer_id,
             "style": p.style,
+            "mode": p.result.mode,
             "no_answer": status == "no_answer",
             "answer": shown,
             "raw_answer": text,
@@ -364,6 +366,7 @@ class Answerer:
             "lake_version": p.result.lake_version,
             "index_version": p.result.index_version,
             "style": p.style,
+            "mode": p.result.mode,
             "embedder": str(self.engine.embedder.identity),
             "generator": self._identity if status != "no_answer" and p.style == "generate" else None,
             "generator_url": self.generator.where if self.generator is not None and p.style == "generate" else None,

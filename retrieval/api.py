@@ -62,6 +62,10 @@ from serving.generator import GeneratorError
 
 log = logging.getLogger(__name__)
 
+MODE_HELP = (
+    "hybrid: keyword (BM25) and vector search fused by reciprocal rank; dense: vector search; keyword: BM25 "
+    "(default: the service's --search-mode)"
+)
 FILTER_HELP = (
     'only chunks whose document metadata matches: {"key": value or [any of these values]}, every key must match'
 )
@@ -81,6 +85,7 @@ class SearchRequest(BaseModel):
     k: int = Field(default=10, ge=1, le=100, description="how many results")
     as_of: int | None = Field(default=None, ge=0, description="answer as of this lake version (audits)")
     filter: dict[str, Any] | None = Field(default=None, description=FILTER_HELP)
+    mode: Literal["hybrid", "dense", "keyword"] | None = Field(default=None, description=MODE_HELP)
 
 
 class AnswerRequest(BaseModel):
@@ -97,6 +102,7 @@ class AnswerRequest(BaseModel):
         "no model, the sources' sentences that best answer the question, each cited with its character span "
         "(default: the service's --answer-style)",
     )
+    mode: Literal["hybrid", "dense", "keyword"] | None = Field(default=None, description=MODE_HELP)
     unsupported: Literal["flag", "drop"] = Field(
         default="flag",
         description="generated sentences no source supports: flag (kept, listed under flagged) or drop "
@@ -251,8 +257,9 @@ def create_app(
     @app.post("/v1/search", response_model=SearchResponse)
     def search(body: SearchRequest, who: Caller, engine: EngineDep) -> dict[str, Any]:
         t0 = time.perf_counter()
-        result = engine.search(body.query, body.k, who, body.as_of, where=where(body.filter))
+        result = engine.search(body.query, body.k, who, body.as_of, where=where(body.filter), mode=body.mode)
         return {
+            "mode": result.mode,
             "results": result.results,
             "index_version": result.index_version,
             "lake_version": result.lake_version,
@@ -278,6 +285,7 @@ def create_app(
             where(body.filter),
             body.style,
             body.unsupported,
+            body.mode,
             limiter=answer_pool,
         )
         if body.stream:

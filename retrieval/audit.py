@@ -92,6 +92,7 @@ ANSWERS_SCHEMA = pa.schema(
         ("total_ms", pa.float64()),
         ("error", pa.string()),
         ("style", pa.string()),  # generate | extract (null: written before extractive answers)
+        ("mode", pa.string()),  # how sources were retrieved: hybrid | dense | keyword (null: before modes: dense)
     ]
 )
 

@@ -113,6 +113,7 @@ class Lineage:
             "question": row["question"],
             "status": row["status"],
             "style": row.get("style") or "generate",  # rows from before extractive answers: generated
+            "mode": row.get("mode") or "dense",  # rows from before search modes: dense
             "answer": row["answer"],
             "raw_answer": row["raw_answer"],
             "error": row["error"],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Out(BaseModel):
@@ -36,6 +36,11 @@ class SourceOut(Out):
     kafka: KafkaRef
 
 
+class RetrieverRank(Out):
+    rank: int
+    score: float
+
+
 class SearchHit(Out):
     chunk_id: str
     doc_id: str
@@ -48,9 +53,15 @@ class SearchHit(Out):
     lake_version: int
     index_version: int
     origin: Literal["index", "tail"]
+    retrievers: dict[str, RetrieverRank] = Field(
+        default_factory=dict, description="each retriever that found the chunk: its rank (1 = best) and own score"
+    )
 
 
 class SearchResponse(Out):
+    mode: Literal["hybrid", "dense", "keyword"] = Field(
+        description="how results were ranked (hybrid on an index version without a keyword index: dense)"
+    )
     results: list[SearchHit]
     index_version: int
     lake_version: int
@@ -97,6 +108,7 @@ class AnswerSource(Out):
 class AnswerResponse(Out):
     answer_id: str
     style: Literal["generate", "extract"] = "generate"
+    mode: Literal["hybrid", "dense", "keyword"] = "dense"
     no_answer: bool
     answer: str
     raw_answer: str | None = None
@@ -174,6 +186,7 @@ class AnswerLineage(Out):
     question: str
     status: str
     style: Literal["generate", "extract"] = "generate"
+    mode: Literal["hybrid", "dense", "keyword"] = "dense"
     answer: str | None = None
     raw_answer: str | None = None
     error: str | None = None

@@ -46,6 +46,7 @@ class StubEngine:
         self.texts = texts
         self.searches: list[Principal] = []
         self.filters: list[MetadataFilter | None] = []
+        self.modes: list[str | None] = []
 
     def search(
         self,
@@ -55,7 +56,9 @@ class StubEngine:
         as_of: int | None = None,
         with_vectors: bool = False,
         where: MetadataFilter | None = None,
+        mode: str | None = None,
     ) -> SearchResult:
+        self.modes.append(mode)
         self.searches.append(who)
         self.filters.append(where)
         rows = [result_row(i, t) for i, t in enumerate(self.texts[:k])]
@@ -82,7 +85,7 @@ def scripted(reply: str | None, calls: list[dict[str, Any]], status: int = 200) 
 def audit_rows(audit: AuditLog) -> list[dict[str, Any]]:
     audit.stop()
     rows: list[dict[str, Any]] = DeltaTable(audit.lake.table_uri("answers")).to_pyarrow_table().to_pylist()
-    return rows
+    return sorted(rows, key=lambda row: row["time"])  # files come back in any order
 
 
 def test_citations_are_validated_and_unsupported_sentences_flagged(audit: AuditLog) -> None:

@@ -1,4 +1,7 @@
-"""The search engine on a lake written by the real lake writer and an index from the real builder."""
+"""The search engine on a lake written by the real lake writer and an index from the real builder.
+
+Dense mode throughout: keyword and hybrid search are tests/retrieval/test_hybrid.py.
+"""
 
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ def setup(request: pytest.FixtureRequest, tmp_path: Path, ray_local: None):  # t
     build(lake, tmp_path / "index", request.param)
     engine = SearchEngine(
         lake.lake, LocalStore(str(tmp_path / "index")), embedder, ShardCache(tmp_path / "cache", memory_bytes=20_000),
-        EngineOptions(nprobe=4),
+        EngineOptions(nprobe=4, mode="dense"),
     )  # fmt: skip
     engine.start(background=False)
     return engine, lake, docs
@@ -95,7 +98,9 @@ def test_selective_filter_widens_the_probe_until_k_are_found(tmp_path: Path, ray
     docs = [Doc(d.pk, d.text, () if d.pk in (17, 140, 288) else ("staff",)) for d in corpus()]
     lake.write(docs)
     build(lake, tmp_path / "index")
-    engine = SearchEngine(lake.lake, LocalStore(str(tmp_path / "index")), embedder, None, EngineOptions(nprobe=2))
+    engine = SearchEngine(
+        lake.lake, LocalStore(str(tmp_path / "index")), embedder, None, EngineOptions(nprobe=2, mode="dense")
+    )
     engine.start(background=False)
     for query in (docs[3].text, docs[200].text, "w1 w2 w3"):
         result = engine.search(query, k=3)
@@ -220,7 +225,7 @@ def test_an_as_of_query_never_lends_its_filter_to_live_queries(setup, tmp_path: 
     between = lake.write([Doc(other.pk, other.text, ("legal",))])
     lake.write([Doc(doc.pk, doc.text, ("legal",))])  # restricted after `between`
     restarted = SearchEngine(lake.lake, engine.store, engine.embedder, ShardCache(tmp_path / "cache2"),
-                             EngineOptions(nprobe=16))  # fmt: skip
+                             EngineOptions(nprobe=16, mode="dense"))  # fmt: skip
     restarted.start(background=False)
     outsider = Principal("otto", frozenset({"sales"}))
     assert ids(restarted.search(doc.text, k=1, principal=outsider, as_of=between)) == [doc.chunk_id]
@@ -303,7 +308,9 @@ def test_metadata_filters_apply_inside_the_scan_in_the_index_and_the_tail(tmp_pa
     fresh = Doc(900, "doc 900 freshly written after the index", (), json.dumps({"team": "ops", "year": 2026.0}))
     moved = Doc(10, docs[10].text, (), json.dumps({"team": "eng", "year": 2026}))  # ops → eng after the index
     lake.write([fresh, moved])
-    engine = SearchEngine(lake.lake, LocalStore(str(tmp_path / "index")), embedder, None, EngineOptions(nprobe=2))
+    engine = SearchEngine(
+        lake.lake, LocalStore(str(tmp_path / "index")), embedder, None, EngineOptions(nprobe=2, mode="dense")
+    )
     engine.start(background=False)
     ops = MetadataFilter.parse({"team": "ops", "year": [2026, 2027]})
     result = engine.search("doc", k=30, where=ops)

@@ -143,7 +143,7 @@ def test_the_tail_is_searchable_by_keyword_at_once_and_stale_copies_are_not(setu
 
 
 def test_as_of_interleaved_with_live_keyword_queries(setup) -> None:  # type: ignore[no-untyped-def]
-    engine, lake, docs = setup
+    engine, lake, _ = setup
     before = lake.write([Doc(300, "walrus memo v1")])
     engine._tail.poll()
     lake.write([Doc(300, "walrus memo v1")], op="delete")
