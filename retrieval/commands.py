@@ -38,6 +38,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, help="disk cache for shards (default ~/.cache/streamrag/shards)")
     p.add_argument("--cache-memory-mb", type=int, help="shards held in memory (2048 MB)")
     p.add_argument("--cache-disk-mb", type=int, help="shard files kept on disk (20480 MB)")
+    p.add_argument(
+        "--mode",
+        choices=["hybrid", "dense", "keyword"],
+        help="hybrid (default): keyword (BM25) and vector rankings fused by reciprocal rank; dense: vectors only; "
+        "keyword: BM25 only (serve: what a request that names no mode gets)",
+    )
+    p.add_argument("--keyword-weight", type=float, help="hybrid: weight of the keyword ranking; dense's is 1 (0.5)")
+    p.add_argument("--rrf-k", type=int, help="hybrid: the constant k of weight / (k + rank) (60)")
+    p.add_argument("--fusion-depth", type=int, help="hybrid: candidates fused from each ranking (50)")
 
 
 def _env_help(command: str) -> str:
@@ -163,9 +172,19 @@ def _engine(config: EngineSettings) -> Any:
         tail_poll_s=config.tail_poll or (2.0 if following else 0.5),
         index_poll_s=config.index_poll,
         prefetch_bytes=memory,
+        mode=config.mode,
+        keyword_weight=config.keyword_weight,
+        rrf_k=config.rrf_k,
+        fusion_depth=config.fusion_depth,
+        keyword_dir=str(keyword_dir(config.cache_dir or default_cache_dir())),
     )
     embedder = load_embedder(config.model, device=config.device, dtype=config.dtype, cpu_threads=config.cpu_threads)
     return SearchEngine(Lake.at(config.lake, settings), open_store(config.index, settings), embedder, cache, options)
+
+
+def keyword_dir(cache_dir: Path) -> Path:
+    """Where keyword index files go: beside the shard cache (whose disk bound is for shards)."""
+    return cache_dir.with_name(cache_dir.name + "-keyword")
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -182,10 +201,10 @@ def cmd_search(args: argparse.Namespace) -> int:
     groups = frozenset(g.strip() for g in config.groups.split(",") if g.strip())
     result = engine.search(config.query, config.k, Principal("cli", groups), config.as_of, where=where)
     if args.json:
-        print(json.dumps({"results": result.results, "index_version": result.index_version,
+        print(json.dumps({"mode": result.mode, "results": result.results, "index_version": result.index_version,
                           "lake_version": result.lake_version}))  # fmt: skip
         return 0
-    print(f"index version {result.index_version}, lake version {result.lake_version}:")
+    print(f"index version {result.index_version}, lake version {result.lake_version}, {result.mode}:")
     for rank, r in enumerate(result.results, 1):
         snippet = " ".join(r["text"].split())[:160]
         print(f"{rank:>3}. {r['score']:.3f}  {r['doc_id']}  [{r['origin']}]  {r['title'] or ''}\n     {snippet}")

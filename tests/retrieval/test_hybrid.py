@@ -167,9 +167,10 @@ def test_incremental_versions_add_their_delta_rows_and_drop_their_dead_rows(tmp_
     lake.write([docs[4]], op="delete")
     version = build(lake, tmp_path / "index")
     manifest = load_manifest(LocalStore(str(tmp_path / "index")), version)
-    assert manifest.stats["incremental"] and manifest.keyword == load_manifest(
-        LocalStore(str(tmp_path / "index")), 1
-    ).keyword, "an incremental version shares its base's keyword index"
+    assert (
+        manifest.stats["incremental"]
+        and manifest.keyword == load_manifest(LocalStore(str(tmp_path / "index")), 1).keyword
+    ), "an incremental version shares its base's keyword index"
     engine = engine_for(lake, tmp_path / "index")
     assert engine.current_view().tail.n == 0
     found = engine.search("narwhal", k=3, mode="keyword")
