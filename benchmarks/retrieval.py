@@ -264,7 +264,9 @@ def wait_ready(
     raise RuntimeError(f"{name} did not become ready")
 
 
-def load(url: str, queries: list[str], clients: int, seconds: float) -> tuple[list[float], int]:
+def load(
+    url: str, queries: list[str], clients: int, seconds: float, mode: str | None = None
+) -> tuple[list[float], int]:
     latencies: list[float] = []
     errors = 0
     stop = time.monotonic() + seconds
@@ -276,7 +278,8 @@ def load(url: str, queries: list[str], clients: int, seconds: float) -> tuple[li
         with httpx.Client(timeout=30) as http:
             while time.monotonic() < stop:
                 t0 = time.perf_counter()
-                r = http.post(f"{url}/v1/search", json={"query": rng.choice(queries), "k": 10})
+                body = {"query": rng.choice(queries), "k": 10, **({"mode": mode} if mode else {})}
+                r = http.post(f"{url}/v1/search", json=body)
                 dt = time.perf_counter() - t0
                 with lock:
                     latencies.append(dt)
@@ -293,10 +296,16 @@ def bench_http(work: Path, seconds: float) -> None:
     try:
         load(url, queries[:50], 2, 5)  # warm-up: shards into the cache
         for clients in (1, 8):
-            latencies, errors = load(url, queries, clients, seconds)
-            emit(bench="http_search", corpus="pydocs", chunks=plan(lake).count, clients=clients,
-                 seconds=seconds, requests=len(latencies), errors=errors,
-                 rps=round(len(latencies) / seconds, 1), **percentiles(latencies))  # fmt: skip
+            p99: dict[str, float] = {}
+            for mode in ("dense", "hybrid", "keyword"):
+                latencies, errors = load(url, queries, clients, seconds, mode)
+                shown = percentiles(latencies)
+                p99[mode] = shown["p99_ms"]
+                emit(bench="http_search", corpus="pydocs", chunks=plan(lake).count, clients=clients, mode=mode,
+                     seconds=seconds, requests=len(latencies), errors=errors,
+                     rps=round(len(latencies) / seconds, 1), **shown)  # fmt: skip
+            emit(bench="http_search_hybrid_vs_dense", clients=clients, p99_ratio=round(p99["hybrid"] / p99["dense"], 3),
+                 target_p99_ratio=1.3)  # fmt: skip
     finally:
         os.killpg(proc.pid, 9)
 
