@@ -142,9 +142,11 @@ class SearchEngine(Views):
             lists["dense"], nprobe = self._dense(reader, tail, vector, depth, allow, tail_allowed)
         if mode != "dense":
             assert query is not None
+            t = time.perf_counter()
             lists["keyword"] = keyword_search(
                 self.keywords, reader, tail, query, depth, principal.groups, allow, tail_allowed
             )
+            metrics.SEARCH_SECONDS.labels("keyword").observe(time.perf_counter() - t)
         picked = self._fuse(lists, k) if mode == "hybrid" else _ranked(lists[mode], mode, k)
         results, vectors = self._materialize(view, picked, with_vectors)
         # Only the tail rows this caller may see are counted: the total would tell an outsider
