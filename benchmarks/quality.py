@@ -163,7 +163,7 @@ def mrr(ranked: list[int], relevant: set[int]) -> float:
 
 
 #: the fusion grid: (keyword weight, reciprocal-rank constant); dense weight 1
-GRID = [(w, c) for c in (20, 60) for w in (0.25, 0.5, 0.75, 1.0)]
+GRID = [(w, c) for c in (10, 20, 60) for w in (0.25, 0.5, 0.75, 1.0, 1.5)]
 
 
 def scores(lists: list[list[int]], qs: list[Question]) -> dict[str, float]:

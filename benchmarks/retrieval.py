@@ -220,10 +220,13 @@ def pydocs_lake(work: Path, prefix: str = "") -> tuple[Lake, Path, list[str]]:
     lake = Lake.at(str(work / "pydocs-lake"))
     lake.ensure_tables(1)
     writer = LakeWriter(lake, CHUNKS, "bench", None)
+    doc_titles = {d.id: d.title for d in load_pydocs()}  # every chunk carries its document's title, as ingested
     for part in np.array_split(np.arange(len(corpus.texts)), 8):
         rows = chunk_rows(corpus.vectors[part], start=int(part[0]), model=corpus.model)
         texts = pa.array([corpus.texts[i] for i in part])
         rows = rows.set_column(rows.schema.get_field_index("text"), "text", texts)
+        title = pa.array([doc_titles[corpus.doc_ids[i]] for i in part])
+        rows = rows.set_column(rows.schema.get_field_index("title"), "title", title)
         docs = pa.array([f"pydocs/{corpus.doc_ids[i]}" for i in part])
         writer.write(rows.set_column(rows.schema.get_field_index("doc_id"), "doc_id", docs))
     store = LocalStore(str(work / "pydocs-index"))
