@@ -189,7 +189,7 @@ class SearchEngine(Views):
                 if entry is None:
                     entry = fused[key] = (0.0, origin, ref, {})
                 share = weights[name] / (self.options.rrf_k + rank)
-                entry[3][name] = {"rank": rank, "score": round(float(score), 6)}
+                entry[3][name] = _shown(name, rank, score)
                 fused[key] = (entry[0] + share, origin, ref, entry[3])
         order = sorted(fused.values(), key=lambda e: (-e[0], e[3].get("dense", {}).get("rank", 1 << 30)))
         return order[:k]
@@ -235,5 +235,13 @@ def _identity(origin: str, ref: Hit | int) -> tuple[str, int, int]:
 
 
 def _ranked(found: list[Candidate], name: str, k: int) -> list[Picked]:
-    return [(score, origin, ref, {name: {"rank": rank, "score": round(float(score), 6)}})
+    return [(score if name == "dense" else 1.0 / rank, origin, ref, {name: _shown(name, rank, score)})
             for rank, (score, origin, ref) in enumerate(found[:k], 1)]  # fmt: skip
+
+
+def _shown(name: str, rank: int, score: float) -> dict[str, float]:
+    """A retriever's rank for a result, and its score unless that could reveal hidden documents:
+    BM25 weighs a word by how many documents hold it, those the caller may not see included."""
+    if name == "keyword":
+        return {"rank": rank}
+    return {"rank": rank, "score": round(float(score), 6)}

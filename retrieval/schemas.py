@@ -38,7 +38,7 @@ class SourceOut(Out):
 
 class RetrieverRank(Out):
     rank: int
-    score: float
+    score: float | None = None
 
 
 class SearchHit(Out):
@@ -54,7 +54,8 @@ class SearchHit(Out):
     index_version: int
     origin: Literal["index", "tail"]
     retrievers: dict[str, RetrieverRank] = Field(
-        default_factory=dict, description="each retriever that found the chunk: its rank (1 = best) and own score"
+        default_factory=dict,
+        description="each retriever that found the chunk: its rank (1 = best) and, for dense, its cosine similarity",
     )
 
 

@@ -89,14 +89,16 @@ def test_no_output_leaks_the_restricted_document_to_an_outsider(world: dict[str,
     outputs = [
         call(world, "POST", "/v1/search", ENG, json={"query": SECRET, "k": 20}),
         call(world, "POST", "/v1/search", ENG, json={"query": INJECTION, "k": 5}),
+        call(world, "POST", "/v1/search", ENG, json={"query": SECRET, "k": 20, "mode": "keyword"}),
+        call(world, "POST", "/v1/answer", ENG, json={"question": QUESTION, "k": 5, "mode": "keyword"}),
         call(world, "POST", "/v1/answer", ENG, json={"question": QUESTION, "k": 5}),
         call(world, "POST", "/v1/answer", ENG, json={"question": INJECTION, "k": 5}),
         call(world, "POST", "/v1/answer", ENG, json={"question": QUESTION, "k": 5, "stream": True}),
         call(world, "GET", "/v1/lineage/sources/public.docs/900", ENG),
         call(world, "GET", f"/v1/lineage/chunks/{Doc(900, SECRET, ('hr',)).chunk_id}", ENG),
     ]
-    assert [r.status_code for r in outputs] == [200, 200, 200, 200, 200, 404, 404]
-    answers = [r.json()["answer_id"] for r in outputs[2:4]]
+    assert [r.status_code for r in outputs] == [200, 200, 200, 200, 200, 200, 200, 404, 404]
+    answers = [r.json()["answer_id"] for r in outputs[3:6]]
     outputs += [call(world, "GET", f"/v1/lineage/answers/{a}", ENG) for a in answers]
     outputs.append(world["client"].get("/metrics"))
     # The injection document is found (it is public) and sent, but nothing it asks for can
@@ -110,8 +112,27 @@ def test_no_output_leaks_the_restricted_document_to_an_outsider(world: dict[str,
     # The insider and the auditor do see it (the filter is not simply broken).
     hr = call(world, "POST", "/v1/search", HR, json={"query": SECRET, "k": 3})
     assert "9,999,999" in hr.text
+    hr = call(world, "POST", "/v1/search", HR, json={"query": "payroll CEO", "k": 3, "mode": "keyword"})
+    assert "9,999,999" in hr.text
     audit = call(world, "GET", "/v1/lineage/sources/public.docs/900", AUDITOR)
     assert audit.status_code == 200 and "9,999,999" in audit.text
+
+
+def test_keyword_search_does_not_reveal_that_a_hidden_document_matches(world: dict[str, Any]) -> None:
+    """Words only the hidden document holds answer an outsider exactly as words nothing holds."""
+    shown = []
+    for query in ("CEO earns", "zzyzx qqqq"):
+        for mode in ("keyword", "hybrid"):
+            r = call(world, "POST", "/v1/search", ENG, json={"query": query, "k": 5, "mode": mode})
+            body = r.json()
+            del body["took_ms"]
+            shown.append((mode, body if mode == "keyword" else body["tail_rows"]))
+    assert shown[0] == shown[2] and shown[0][1]["results"] == []
+    assert shown[1] == shown[3]
+    # BM25 scores depend on how many documents hold a word, hidden ones included: they are not shown
+    public = call(world, "POST", "/v1/search", ENG, json={"query": "payroll", "k": 5, "mode": "keyword"}).json()
+    assert public["results"][0]["score"] == 1.0
+    assert public["results"][0]["retrievers"] == {"keyword": {"rank": 1, "score": None}}
 
 
 def test_metrics_labels_carry_no_principals_documents_or_questions(world: dict[str, Any]) -> None:
