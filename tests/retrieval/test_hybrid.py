@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from indexing.ivf import BuildOptions, build_index
-from indexing.keyword import terms
+from indexing.keyword import KeywordIndex, document, terms
 from indexing.manifest import ManifestError, load_manifest, publish
 from indexing.snapshot import plan
 from indexing.store import LocalStore
@@ -73,6 +73,16 @@ def test_queries_are_tokenised_like_documents_and_never_parsed() -> None:
     assert terms("os.replace(dirs_exist_ok=True)") == ["os", "replac", "dir", "exist", "ok", "true"]
     assert terms('title:"x" AND -y (z') == ["titl", "x", "and", "y", "z"]  # no field, phrase or boolean syntax
     assert terms("?!") == []
+
+
+def test_the_query_analyser_agrees_with_the_fields_tokenizer(tmp_path: Path) -> None:
+    """Documents are tokenised by tantivy's built-in en_stem, queries by our rebuilt copy of it."""
+    index = KeywordIndex(tmp_path, create=True)
+    text = "Running os.replace(dirs_exist_ok=True) FAILED with EAGAIN; Ünïcode naïve cafés 3.14 x" + "y" * 50
+    index.add([document(7, "Titles Matter", text, None)])
+    for term in terms(text) + terms("Titles Matter"):
+        assert [m.key for m in index.search([term], frozenset(), 5)] == [7], term
+    assert index.search(["yyyy"], frozenset(), 5) == []  # a token over 40 bytes is dropped by both
 
 
 def test_keyword_finds_identifiers_with_lineage(setup) -> None:  # type: ignore[no-untyped-def]
