@@ -91,6 +91,14 @@ class KeywordCopies:
         found.sync(tail)
         return found
 
+    def sync_existing(self, reader: IndexReader, tail: TailState) -> None:
+        """Bring this view's copy up to ``tail`` if it exists (the tail's thread calls this after
+        each commit, so a query rarely pays for the new rows)."""
+        with self._lock:
+            found = self._copies.get(tail.log, {}).get(reader.manifest.build_id)
+        if found is not None:
+            found.sync(tail)
+
     def prepare(self, reader: IndexReader) -> None:
         """Fetch a version's keyword files ahead of its first query (a no-op without them)."""
         if reader.manifest.keyword:

@@ -22,6 +22,7 @@ import bisect
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -320,6 +321,8 @@ class LakeTail:
         self._wake = threading.Event()
         self._notified = base_version  # the newest lake version a commit notice named
         self._thread: threading.Thread | None = None
+        #: called (on the tail's thread) with each new state that holds new rows
+        self.on_change: Callable[[TailState], None] | None = None
 
     def notify(self, version: int) -> None:
         """A commit notice: lake version ``version`` exists; read it now rather than at the next poll.
@@ -422,5 +425,10 @@ class LakeTail:
             metrics.TAIL_ROWS.set(state.live_rows)
             metrics.LAKE_VERSION.set(state.version)
             metrics.TAIL_LAG.set(time.monotonic() - state.checked_at)
+            if changed and self.on_change is not None:
+                try:
+                    self.on_change(state)
+                except Exception:  # a follower's failure must not stop the tail
+                    log.exception("a follower of the tail failed")
             if not changed:  # else read on at once: more commits may be waiting
                 self._wake.wait(self.poll_s)

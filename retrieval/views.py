@@ -126,9 +126,16 @@ class Views:
             len(reader.manifest.shards), self._tail.state.version,
         )  # fmt: skip
         if background:
+            self._tail.on_change = self._follow_tail
             self._tail.start()
             self._watcher = threading.Thread(target=self._watch_index, name="index-watcher", daemon=True)
             self._watcher.start()
+
+    def _follow_tail(self, tail: TailState) -> None:
+        """Bring the live view's keyword copy up to a new tail now, not on the next query."""
+        reader = self._reader
+        if reader is not None and tail.base_version == reader.manifest.lake_version:
+            self.keywords.sync_existing(reader, tail)
 
     def notify(self, lake_version: int) -> None:
         """A commit notice named this lake version: the tail reads it now (see pipelines.notices)."""

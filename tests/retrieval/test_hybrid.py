@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,24 @@ def test_modes_are_checked_and_old_versions_without_a_keyword_index_say_so(tmp_p
     assert old.value.status == 409
     fallback = engine.search(docs[1].text, k=1)  # hybrid by default: dense alone, and the result says so
     assert fallback.mode == "dense" and ids(fallback) == [docs[1].chunk_id]
+
+
+def test_the_tail_thread_adds_new_rows_to_the_keyword_copy_before_a_query(tmp_path: Path, ray_local: None) -> None:
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
+    lake.write(corpus(50))
+    build(lake, tmp_path / "index")
+    engine = SearchEngine(lake.lake, LocalStore(str(tmp_path / "index")), lake.embedder, None,
+                          EngineOptions(nprobe=2, tail_poll_s=0.05))  # fmt: skip
+    engine.start(background=True)
+    try:
+        engine.search("note", k=1, mode="keyword")  # the live view's copy exists from here on
+        view = engine.current_view()
+        copy = engine.keywords.copy_for(view.reader, view.tail)
+        lake.write([Doc(77, "a pangolin appears")])
+        deadline = time.monotonic() + 20
+        while copy.rows == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert copy.rows == 1, "the tail's thread did not add the new row"
+        assert ids(engine.search("pangolin", k=1, mode="keyword")) == [Doc(77, "a pangolin appears").chunk_id]
+    finally:
+        engine.stop()
