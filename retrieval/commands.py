@@ -44,8 +44,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="hybrid (default): keyword (BM25) and vector rankings fused by reciprocal rank; dense: vectors only; "
         "keyword: BM25 only (serve: what a request that names no mode gets)",
     )
-    p.add_argument("--keyword-weight", type=float, help="hybrid: weight of the keyword ranking; dense's is 1 (0.5)")
-    p.add_argument("--rrf-k", type=int, help="hybrid: the constant k of weight / (k + rank) (60)")
+    p.add_argument("--keyword-weight", type=float, help="hybrid: weight of the keyword ranking; dense's is 1 (0.75)")
+    p.add_argument("--rrf-k", type=int, help="hybrid: the constant k of weight / (k + rank) (10)")
     p.add_argument("--fusion-depth", type=int, help="hybrid: candidates fused from each ranking (50)")
 
 

@@ -45,11 +45,12 @@ class EngineOptions:
     prefetch_bytes: int = 2 << 30
     #: how /v1/search ranks when a request does not say: "hybrid", "dense" or "keyword"
     mode: str = "hybrid"
-    #: hybrid: each retriever's candidates, and reciprocal-rank fusion's constant and weights
+    #: hybrid: each retriever's candidates, and reciprocal-rank fusion's constant and weights (chosen on
+    #: dev halves of the Python docs' FAQ and API-name queries: benchmarks/quality.py, fusion_choice)
     fusion_depth: int = 50
-    rrf_k: int = 60
+    rrf_k: int = 10
     dense_weight: float = 1.0
-    keyword_weight: float = 0.5
+    keyword_weight: float = 0.75
     #: where replicas keep keyword index files (None: a temporary directory)
     keyword_dir: str | None = None
 

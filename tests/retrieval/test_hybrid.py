@@ -103,7 +103,7 @@ def test_hybrid_fuses_both_retrievers_and_says_which_found_each(setup) -> None: 
     assert set(result.results[0]["retrievers"]) == {"dense", "keyword"}
     ranks = result.results[0]["retrievers"]
     assert ranks["dense"]["rank"] == ranks["keyword"]["rank"] == 1
-    expected = 1.0 / (60 + 1) + 0.5 / (60 + 1)  # the default weights and constant
+    expected = 1.0 / (10 + 1) + 0.75 / (10 + 1)  # the default weights and constant
     assert result.results[0]["score"] == pytest.approx(expected, abs=1e-6)
     scores = [r["score"] for r in result.results]
     assert scores == sorted(scores, reverse=True)
