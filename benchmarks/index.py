@@ -32,6 +32,11 @@ Sections
 - peer: LanceDB's IVF_FLAT index (same vectors, nlist and iterations; run in .venv-peers):
   build time and recall@10 / queries/s at the same nprobe values.
 - gpu: faiss-gpu k-means vs CPU on --gpu-n vectors; prints a skip line without a GPU.
+- keyword (not in the default run): the keyword index of --n synthetic chunks (Zipf words,
+  about 150 per chunk, a 40k-row shard's id map at a time) built as ``index build`` does
+  (``indexing.keyword.build_keyword_index``: read each shard's id map from the store, index,
+  write the files) vs the same documents added to tantivy straight from Python lists:
+  seconds, bytes, per million chunks.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import faiss
 import numpy as np
 import psutil
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from benchmarks.pydocs import EmbeddedCorpus, embedded_pydocs
 from indexing.distributed import LocalPartitions, RayData, start_ray
@@ -424,6 +430,51 @@ def real_queries(corpus: EmbeddedCorpus, n: int) -> np.ndarray:
     return corpus.embedder.embed(chosen)
 
 
+def synthetic_texts(n: int, seed: int = 0, vocabulary: int = 50_000, words: int = 150) -> list[str]:
+    """Chunks of Zipf-distributed words (a natural vocabulary's long tail)."""
+    rng = np.random.default_rng(seed)
+    ids = np.minimum(rng.zipf(1.2, size=n * words), vocabulary) - 1
+    lexicon = np.array([f"w{i}" for i in range(vocabulary)])
+    return [" ".join(row) for row in lexicon[ids].reshape(n, words)]
+
+
+def bench_keyword(n: int, work: Path) -> None:
+    from indexing.keyword import WRITER_HEAP, KeywordIndex, build_keyword_index, document
+    from indexing.manifest import ShardRef
+
+    store = LocalStore(str(work / "kw-store"))
+    shards, texts_all = [], []
+    for s, start in enumerate(range(0, n, 40_000)):
+        texts = synthetic_texts(min(40_000, n - start), seed=s)
+        texts_all.append(texts)
+        ids = pa.table({"title": ["t"] * len(texts), "text": texts, "acl": [[] for _ in texts],
+                        "faiss_id": np.arange(len(texts), dtype=np.int64)})  # fmt: skip
+        sink = pa.BufferOutputStream()
+        pq.write_table(ids, sink, compression="zstd")
+        ref = put_file(store, f"shard-{s}.ids.parquet", sink.getvalue().to_pybytes())
+        shards.append(ShardRef(ref, ref, 0, 1, len(texts)))
+    harness = psutil.Process().memory_info().rss  # the generated texts
+    with PeakRSS() as mem:
+        t = time.perf_counter()
+        refs, stats = build_keyword_index(store, "builds/bench", shards)
+        ours = time.perf_counter() - t
+    t = time.perf_counter()
+    plain = KeywordIndex(work / "kw-plain", create=True)
+    writer = plain.index.writer(heap_size=WRITER_HEAP * 2, num_threads=2)
+    for s, texts in enumerate(texts_all):
+        for i, text in enumerate(texts):
+            writer.add_document(document(s << 32 | i, "t", text, None))
+    writer.commit()
+    writer.wait_merging_threads()
+    raw = time.perf_counter() - t
+    per_million = 1_000_000 / n
+    emit(bench="keyword_index_build", chunks=n, seconds=round(ours, 1), bytes=stats["bytes"],
+         seconds_per_million=round(ours * per_million, 1), mb_per_million=round(stats["bytes"] * per_million / 2**20),
+         harness_rss_mb=round(harness / 2**20), peak_rss_mb=round(mem.peak / 2**20), files=len(refs),
+         baseline="the same documents added to tantivy from Python lists",
+         baseline_seconds=round(raw, 1), vs_baseline=round(ours / raw, 2))  # fmt: skip
+
+
 def bench_peer(x: np.ndarray, queries: np.ndarray, nlist: int, iters: int, python: Path, work: Path) -> None:
     if not python.exists():
         emit(bench="lancedb", skipped=f"{python} not found: `make bench` creates the peers' environment")
@@ -446,7 +497,7 @@ def bench_peer(x: np.ndarray, queries: np.ndarray, nlist: int, iters: int, pytho
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sections_all = ["build", "incremental", "scale", "kmeans", "recall", "peer", "gpu"]
+    sections_all = ["build", "incremental", "scale", "kmeans", "recall", "peer", "gpu", "keyword"]
     parser.add_argument("--only", choices=sections_all, action="append")
     parser.add_argument("--changed", type=float, default=0.01, help="incremental: share of the chunks changed")
     parser.add_argument("--corpus", choices=["synthetic", "pydocs"], default="synthetic")
@@ -470,6 +521,9 @@ def main() -> None:
         if "scale" in sections:  # its own lake, written in blocks: run it alone (--only scale --n 5000000)
             bench_scale(args.n, args.dim, args.nlist or choose_nlist(args.n), args.iterations, work, args.executor)
             sections.discard("scale")
+        if "keyword" in sections:  # texts, not vectors: run it alone (--only keyword --n 1000000)
+            bench_keyword(args.n, work)
+            sections.discard("keyword")
         if sections - {"gpu"}:
             if args.corpus == "pydocs":
                 corpus = embedded_pydocs()

@@ -109,6 +109,8 @@ class KeywordIndex:
 
     def __init__(self, path: Path, create: bool = False) -> None:
         self.path = path
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
         self.index = tantivy.Index(SCHEMA, path=str(path), reuse=False) if create else tantivy.Index.open(str(path))
         self._writer: Any = None
         self._lock = threading.Lock()
