@@ -46,7 +46,7 @@ TAIL = 1 << 63
 #: the ACL term of a public row (no group can be named this: group names are printable)
 PUBLIC = "\x00public"
 #: the columns a keyword document is made of
-COLUMNS = ["title", "text", "acl"]
+COLUMNS = ["title", "text", "acl", "chunk_id"]
 #: tantivy's writer heap (it needs at least 15 MB per thread)
 WRITER_HEAP = 64 << 20
 #: a tantivy file that is never part of an index's content
@@ -62,6 +62,8 @@ def schema() -> tantivy.Schema:
     builder.add_text_field("title", tokenizer_name="en_stem", index_option="freq")
     builder.add_text_field("text", tokenizer_name="en_stem", index_option="freq")
     builder.add_text_field("acl", tokenizer_name="raw", index_option="basic")
+    # an index row's chunk id: queries exclude the chunks the tail has superseded by it
+    builder.add_text_field("chunk", tokenizer_name="raw", index_option="basic")
     builder.add_unsigned_field("key", indexed=True, fast=True)
     return builder.build()
 
@@ -87,9 +89,13 @@ def terms(query: str) -> list[str]:
     return list(dict.fromkeys(ANALYZER.analyze(query)))
 
 
-def document(key: int, title: str | None, text: str | None, acl: Sequence[str] | None) -> tantivy.Document:
+def document(
+    key: int, title: str | None, text: str | None, acl: Sequence[str] | None, chunk_id: str | None = None
+) -> tantivy.Document:
     doc = tantivy.Document()
     doc.add_unsigned("key", key)
+    if chunk_id is not None:
+        doc.add_text("chunk", chunk_id)
     if title:
         doc.add_text("title", title)
     doc.add_text("text", text or "")
@@ -137,8 +143,11 @@ class KeywordIndex:
                 self._writer.wait_merging_threads()  # also releases the writer's lock
                 self._writer = None
 
-    def search(self, query_terms: list[str], groups: frozenset[str], limit: int) -> list[Match]:
-        """The best ``limit`` documents a caller in ``groups`` may see (by their ACL terms) for any of the terms."""
+    def search(
+        self, query_terms: list[str], groups: frozenset[str], limit: int, exclude: Sequence[str] = ()
+    ) -> list[Match]:
+        """The best ``limit`` documents a caller in ``groups`` may see (by their ACL terms) for any
+        of the terms, but for index rows of the chunks in ``exclude``."""
         if not query_terms or limit <= 0:
             return []
         clauses = [
@@ -147,12 +156,13 @@ class KeywordIndex:
             for field, w in FIELDS
         ]
         visible = tantivy.Query.term_set_query(SCHEMA, "acl", sorted({PUBLIC, *groups}))
-        query = tantivy.Query.boolean_query(
-            [
-                (tantivy.Occur.Must, tantivy.Query.boolean_query(clauses)),
-                (tantivy.Occur.Must, tantivy.Query.const_score_query(visible, 0.0)),
-            ]
-        )
+        parts = [
+            (tantivy.Occur.Must, tantivy.Query.boolean_query(clauses)),
+            (tantivy.Occur.Must, tantivy.Query.const_score_query(visible, 0.0)),
+        ]
+        if exclude:
+            parts.append((tantivy.Occur.MustNot, tantivy.Query.term_set_query(SCHEMA, "chunk", list(exclude))))
+        query = tantivy.Query.boolean_query(parts)
         searcher = self.searcher
         hits = searcher.search(query, limit, count=False).hits
         keys = searcher.fast_field_values("key", [address for _, address in hits])
@@ -174,8 +184,10 @@ def shard_documents(shard: int, ids: pa.Table) -> Iterable[tantivy.Document]:
     columns = ids.select([c for c in COLUMNS if c in ids.column_names]).to_pydict()
     titles = columns.get("title") or [None] * ids.num_rows
     fids = ids.column("faiss_id").to_pylist()
-    for fid, title, text, acl in zip(fids, titles, columns["text"], columns["acl"], strict=True):
-        yield document(index_key(shard, fid), title, text, acl)
+    for fid, title, text, acl, chunk_id in zip(
+        fids, titles, columns["text"], columns["acl"], columns["chunk_id"], strict=True
+    ):
+        yield document(index_key(shard, fid), title, text, acl, chunk_id)
 
 
 def build_keyword_index(

@@ -6,13 +6,15 @@ version's delta rows (an incremental build) and, as the tail grows, its rows: a 
 brought up to a snapshot's rows before the snapshot is searched, so a changed document is
 found by keyword as soon as the tail has it, and at work proportional to the new rows.
 
-What a caller may see is decided exactly as for dense search. The caller's groups filter
-inside tantivy's scan (ACL terms), and every candidate then passes the dense path's own
-masks: an index row must be live in the version (incremental builds' dead rows), not
-superseded by the tail, and match the metadata filter; a tail row must be in the snapshot
-(``as_of`` snapshots see a prefix), the newest version of its chunk, visible and
-matching. When too few candidates pass, the search widens (4× deeper, up to every match),
-so a caller who can see ``depth`` matches gets them.
+What a caller may see is decided exactly as for dense search. Inside tantivy's scan: the
+caller's groups (ACL terms), and the index rows of chunks the tail has superseded (by
+their chunk ids). Then an index row must be live in the version (an incremental build's
+dead rows: a small file per shard) and, with a metadata filter, pass the dense path's
+shard masks (only then are the matching rows' shards opened: a keyword query otherwise
+moves no shard bytes until its results are read); a tail row must be in the snapshot
+(``as_of`` snapshots see a prefix), the newest version of its chunk, visible and matching.
+When too few candidates pass, the search widens (4× deeper, up to every match), so a
+caller who can see ``depth`` matches gets them.
 """
 
 from __future__ import annotations
@@ -129,29 +131,41 @@ def keyword_search(
     query: str,
     depth: int,
     groups: frozenset[str],
-    allow: Allow,
+    allow: Allow | None,
     tail_allowed: np.ndarray,
 ) -> list[Candidate]:
-    """The ``depth`` best keyword matches the caller may see, best first."""
+    """The ``depth`` best keyword matches the caller may see, best first (``allow``: the shard
+    masks of a metadata filter, None without one)."""
     wanted = terms(query)
     if not wanted:
         return []
     copy = copies.copy_for(reader, tail)
+    stale = superseded(tail)
     limit = max(depth * OVERFETCH, 20)
     while True:
-        matches = copy.index.search(wanted, groups, limit)
+        matches = copy.index.search(wanted, groups, limit, stale)
         found = list(_visible(reader, tail, matches, allow, tail_allowed))
         if len(found) >= depth or len(matches) < limit:
             return found[:depth]
         limit *= 4
 
 
+def superseded(tail: TailState) -> list[str]:
+    """The chunk ids the tail holds a version of (their index rows are stale), once per snapshot."""
+    found: list[str] | None = tail._memo.get("superseded_ids")
+    if found is None:
+        found = tail._memo["superseded_ids"] = [c for _, ids in tail.superseding(tail.base_version) for c in ids]
+    return found
+
+
 def _visible(
-    reader: IndexReader, tail: TailState, matches: list[Match], allow: Allow, tail_allowed: np.ndarray
+    reader: IndexReader, tail: TailState, matches: list[Match], allow: Allow | None, tail_allowed: np.ndarray
 ) -> Iterator[Candidate]:
     shards = {m.key >> 32 for m in matches if not m.key & TAIL}
-    loaded = reader.shards(shards)
-    masks = {s: reader.row_mask(s, shard, allow) for s, shard in loaded.items()}
+    if allow is not None:  # a metadata filter: the rows' metadata is in their shards' id maps
+        masks = {s: reader.row_mask(s, shard, allow) for s, shard in reader.shards(shards).items()}
+    else:
+        masks = {s: reader.alive(s) for s in shards}
     for m in matches:
         if m.key & TAIL:
             row = m.key & ~TAIL

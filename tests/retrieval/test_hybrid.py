@@ -246,3 +246,22 @@ def test_the_tail_thread_adds_new_rows_to_the_keyword_copy_before_a_query(tmp_pa
         assert ids(engine.search("pangolin", k=1, mode="keyword")) == [Doc(77, "a pangolin appears").chunk_id]
     finally:
         engine.stop()
+
+
+def test_a_keyword_query_opens_only_the_shards_of_its_results(tmp_path: Path, ray_local: None) -> None:
+    """ACLs and superseded rows are filtered inside tantivy's scan: no shard is opened to
+    decide what a caller may see, only to read the results (a metadata filter needs them)."""
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
+    docs = corpus()
+    lake.write(docs)
+    build(lake, tmp_path / "index", nlist=32, shard_bytes=1_000)
+    lake.write([docs[1]], op="delete")  # "note" matches every row; one is superseded, HR's are hidden
+    engine = SearchEngine(lake.lake, LocalStore(str(tmp_path / "index")), lake.embedder, None,
+                          EngineOptions(nprobe=2, prefetch=False))  # fmt: skip
+    engine.start(background=False)
+    view = engine.current_view()
+    shards = len(view.reader.manifest.shards)
+    result = engine.search("note", k=3, mode="keyword")
+    opened = len(view.reader.source._shards)  # type: ignore[attr-defined]
+    assert shards >= 10 and len(result.results) == 3 and 1 <= opened <= 3
+    assert docs[1].chunk_id not in ids(engine.search("note", k=100, mode="keyword"))
