@@ -181,18 +181,20 @@ class SearchEngine(Views):
     def _fuse(self, lists: dict[str, list[Candidate]], k: int) -> list[Picked]:
         """Weighted reciprocal-rank fusion: sum over retrievers of weight / (rrf_k + rank)."""
         weights = {"dense": self.options.dense_weight, "keyword": self.options.keyword_weight}
-        fused: dict[tuple[str, int, int], Picked] = {}
+        total: dict[tuple[str, int, int], float] = {}
+        found_by: dict[tuple[str, int, int], list[tuple[str, int, float]]] = {}
+        refs: dict[tuple[str, int, int], tuple[str, Hit | int]] = {}
         for name, found in lists.items():
+            weight = weights[name]
             for rank, (score, origin, ref) in enumerate(found, 1):
-                key = _identity(origin, ref)
-                entry = fused.get(key)
-                if entry is None:
-                    entry = fused[key] = (0.0, origin, ref, {})
-                share = weights[name] / (self.options.rrf_k + rank)
-                entry[3][name] = _shown(name, rank, score)
-                fused[key] = (entry[0] + share, origin, ref, entry[3])
-        order = sorted(fused.values(), key=lambda e: (-e[0], e[3].get("dense", {}).get("rank", 1 << 30)))
-        return order[:k]
+                key = (origin, ref.shard, ref.faiss_id) if isinstance(ref, Hit) else (origin, -1, ref)
+                total[key] = total.get(key, 0.0) + weight / (self.options.rrf_k + rank)
+                found_by.setdefault(key, []).append((name, rank, score))
+                refs[key] = (origin, ref)
+        dense_rank = {key: rank for key, by in found_by.items() for name, rank, _ in by if name == "dense"}
+        best = sorted(total, key=lambda key: (-total[key], dense_rank.get(key, 1 << 30)))[:k]
+        return [(total[key], *refs[key], {name: _shown(name, rank, score) for name, rank, score in found_by[key]})
+                for key in best]  # fmt: skip
 
     def _materialize(
         self, view: View, picked: list[Picked], with_vectors: bool
@@ -226,12 +228,6 @@ class SearchEngine(Views):
 Candidate = tuple[float, str, "Hit | int"]
 #: a result to return: (score, origin, ref, {retriever: {"rank", "score"}})
 Picked = tuple[float, str, "Hit | int", dict[str, dict[str, float]]]
-
-
-def _identity(origin: str, ref: Hit | int) -> tuple[str, int, int]:
-    if isinstance(ref, Hit):
-        return (origin, ref.shard, ref.faiss_id)
-    return (origin, -1, ref)
 
 
 def _ranked(found: list[Candidate], name: str, k: int) -> list[Picked]:

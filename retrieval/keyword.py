@@ -35,8 +35,10 @@ from retrieval.tail import TailLog, TailState
 
 log = logging.getLogger(__name__)
 
-#: the first keyword search fetches this many × depth candidates before widening
-OVERFETCH = 2
+#: the first keyword search fetches depth + this many candidates before widening: ACLs and
+#: superseded rows are filtered inside the scan, so only dead rows, a tail row's newer
+#: versions and metadata filters can reject one
+SLACK = 16
 
 
 class _Copy:
@@ -141,7 +143,7 @@ def keyword_search(
         return []
     copy = copies.copy_for(reader, tail)
     stale = superseded(tail)
-    limit = max(depth * OVERFETCH, 20)
+    limit = depth + SLACK
     while True:
         matches = copy.index.search(wanted, groups, limit, stale)
         found = list(_visible(reader, tail, matches, allow, tail_allowed))

@@ -7,6 +7,7 @@ found here was found by the keyword index, not by luck of the dense path.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from retrieval.acl import Principal
 from retrieval.cache import ShardCache
 from retrieval.engine import SearchEngine
 from retrieval.errors import SearchError
+from retrieval.filters import MetadataFilter
 from retrieval.views import EngineOptions
 from serving.fake_embedder import FakeEmbedder
 from tests.retrieval.lakes import Doc, DocLake
@@ -123,15 +125,21 @@ def test_acl_filters_inside_the_keyword_scan(setup) -> None:  # type: ignore[no-
     assert len(public.results) == 100 and not {d.chunk_id for d in docs if d.acl} & set(ids(public))
 
 
-def test_keyword_search_widens_past_deleted_rows_until_k_are_found(setup) -> None:  # type: ignore[no-untyped-def]
+def test_keyword_search_widens_until_k_pass_the_filters(setup) -> None:  # type: ignore[no-untyped-def]
     engine, lake, docs = setup
     deleted = [d for d in docs if not d.acl][:100]
     lake.write(deleted, op="delete")
+    # 30 notes move to team ops (in the tail: their index copies are superseded)
+    moved = [Doc(d.pk, d.text, d.acl, json.dumps({"team": "ops"})) for d in docs if not d.acl][100:130]
+    lake.write(moved)
     engine._tail.poll()
-    # 180 public notes, 100 of them deleted since the index: the first, 2×-deep fetch holds
-    # at most 60 live ones; the search widens and finds all 80.
+    # 180 public notes, 100 deleted since the index: excluded inside the scan, all 80 others found
     found = engine.search("note", k=80, mode="keyword")
     assert len(found.results) == 80 and not {d.chunk_id for d in deleted} & set(ids(found))
+    # a metadata filter rejects candidates after the scan: the first fetch (k + 16) holds
+    # few of the 30 ops notes, and the search widens until it has 25
+    ops = engine.search("note", k=25, mode="keyword", where=MetadataFilter.parse({"team": "ops"}))
+    assert len(ops.results) == 25 and set(ids(ops)) <= {d.chunk_id for d in moved}
 
 
 def test_the_tail_is_searchable_by_keyword_at_once_and_stale_copies_are_not(setup) -> None:  # type: ignore[no-untyped-def]
