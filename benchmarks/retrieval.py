@@ -297,7 +297,8 @@ def bench_http(work: Path, seconds: float) -> None:
     lake, index, queries = pydocs_lake(work)
     proc, url = serve(lake.uri, str(index), work)
     try:
-        load(url, queries[:50], 2, 5)  # warm-up: shards into the cache
+        for mode in ("dense", "hybrid", "keyword"):  # warm-up: shards, keyword files, every code path
+            load(url, queries, 2, 5, mode)
         for clients in (1, 8):
             p99: dict[str, float] = {}
             for mode in ("dense", "hybrid", "keyword"):
