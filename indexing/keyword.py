@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import tantivy
 
-from indexing.manifest import FileRef, ShardRef, get_verified, put_file
+from indexing.manifest import FileRef, ShardRef, get_verified, put_file, sha256
 from indexing.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -231,14 +231,25 @@ def build_keyword_index(
 # -- a replica's copies ----------------------------------------------------------------
 
 
-def fetch_pristine(store: ObjectStore, refs: list[FileRef], root: Path) -> Path:
-    """The version's keyword files in a local directory (fetched and verified once; reused
-    while the directory is complete)."""
-    name = refs[0].key.rsplit("/keyword/", 1)[0].replace("/", "_")
-    path = root / f"pristine-{name}"
+def pristine_name(refs: list[FileRef]) -> str:
+    return "pristine-" + refs[0].key.rsplit("/keyword/", 1)[0].replace("/", "_")
+
+
+def fetch_pristine(store: ObjectStore, refs: list[FileRef], root: Path, checked: set[Path] | None = None) -> Path:
+    """The version's keyword files in a local directory, fetched and verified once. A
+    directory found complete on disk (an earlier run's) is checked against the manifest's
+    sha256 before its first use (then noted in ``checked``), and fetched again if it differs."""
+    path = root / pristine_name(refs)
     done = path / ".complete"
     if done.exists():
-        return path
+        if checked is not None and path in checked:
+            return path
+        if all(_matches(path / _local_name(ref), ref) for ref in refs):
+            if checked is not None:
+                checked.add(path)
+            return path
+        log.warning("keyword index files under %s differ from the manifest: fetching them again", path)
+        shutil.rmtree(path, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix="fetching-", dir=root))
     try:
         for ref in refs:
@@ -252,6 +263,14 @@ def fetch_pristine(store: ObjectStore, refs: list[FileRef], root: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def _matches(path: Path, ref: FileRef) -> bool:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    return len(data) == ref.bytes and sha256(data) == ref.sha256
 
 
 def _stored_name(name: str) -> str:

@@ -84,6 +84,7 @@ class KeywordCopies:
         self.work = Path(tempfile.mkdtemp(prefix="work-", dir=self.root))
         self._copies: weakref.WeakKeyDictionary[TailLog, dict[str, _Copy]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
+        self._checked: set[Path] = set()  # pristine directories verified by this process
 
     def copy_for(self, reader: IndexReader, tail: TailState) -> _Copy:
         """The working copy for this view, made on first use and brought up to ``tail``."""
@@ -104,13 +105,22 @@ class KeywordCopies:
             found.sync(tail)
 
     def prepare(self, reader: IndexReader) -> None:
-        """Fetch a version's keyword files ahead of its first query (a no-op without them)."""
-        if reader.manifest.keyword:
-            fetch_pristine(reader.store, reader.manifest.keyword, self.root)
+        """Fetch the served version's keyword files ahead of its first query, and delete other
+        versions' files (working copies keep theirs: hard links; an ``as_of`` view of an older
+        version fetches its own again)."""
+        if not reader.manifest.keyword:
+            return
+        keep = fetch_pristine(reader.store, reader.manifest.keyword, self.root, self._checked)
+        with self._lock:  # copies are made under it: none is linking files from what goes
+            for old in self.root.glob("pristine-*"):
+                if old != keep:
+                    self._checked.discard(old)
+                    shutil.rmtree(old, ignore_errors=True)
 
     def _make(self, reader: IndexReader) -> _Copy:
         manifest = reader.manifest
-        copy = _Copy(working_copy(fetch_pristine(reader.store, manifest.keyword, self.root), self.work))
+        pristine = fetch_pristine(reader.store, manifest.keyword, self.root, self._checked)
+        copy = _Copy(working_copy(pristine, self.work))
         deltas = [s for s, ref in enumerate(manifest.shards) if ref.delta]
         for s, shard in reader.shards(deltas).items():  # an incremental version's rows the base's index lacks
             copy.index.add(shard_documents(s, shard.ids))

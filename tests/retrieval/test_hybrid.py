@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from indexing.ivf import BuildOptions, build_index
-from indexing.keyword import KeywordIndex, document, terms
+from indexing.keyword import KeywordIndex, document, pristine_name, terms
 from indexing.manifest import ManifestError, load_manifest, publish
 from indexing.snapshot import plan
 from indexing.store import LocalStore
@@ -203,20 +203,38 @@ def test_restart_reuses_fetched_files_and_a_corrupt_file_is_refused(tmp_path: Pa
     docs = corpus()
     lake.write(docs)
     build(lake, tmp_path / "index")
+    kw = tmp_path / "kw"
     for _ in range(2):  # the second start finds the files on disk
-        engine = engine_for(lake, tmp_path / "index", tmp_path / "cache", keyword_dir=str(tmp_path / "kw"))
+        engine = engine_for(lake, tmp_path / "index", tmp_path / "cache", keyword_dir=str(kw))
         assert ids(engine.search(docs[9].text, k=1, mode="keyword")) == [docs[9].chunk_id]
         engine.stop()
-    assert len(list((tmp_path / "kw").glob("pristine-*"))) == 1
-    assert not list((tmp_path / "kw").glob("work-*")), "working copies are removed at stop"
+    assert len(list(kw.glob("pristine-*"))) == 1
+    assert not list(kw.glob("work-*")), "working copies are removed at stop"
     manifest = load_manifest(LocalStore(str(tmp_path / "index")))
     victim = max(manifest.keyword, key=lambda f: f.bytes)
-    path = tmp_path / "index" / victim.key
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+
+    def corrupt(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    # a local file damaged between runs is noticed before use, and fetched again
+    local = next(kw.glob("pristine-*")) / victim.key.rsplit("/", 1)[1]
+    corrupt(local)
+    engine = engine_for(lake, tmp_path / "index", tmp_path / "cache", keyword_dir=str(kw))
+    assert ids(engine.search(docs[9].text, k=1, mode="keyword")) == [docs[9].chunk_id]
+    assert local.read_bytes() == (tmp_path / "index" / victim.key).read_bytes()
+    # a new version's files replace the old version's on disk
+    lake.write([Doc(999, "an okapi")])
+    build(lake, tmp_path / "index", reuse_centroids=False)
+    assert engine.check_for_new_index()
+    assert [p.name for p in kw.glob("pristine-*")] == [pristine_name(engine.current_view().reader.manifest.keyword)]
+    assert ids(engine.search("okapi", k=1, mode="keyword")) == [Doc(999, "an okapi").chunk_id]
+    engine.stop()
+    # a damaged file in the store is refused: a fresh replica must fetch it
+    corrupt(tmp_path / "index" / load_manifest(LocalStore(str(tmp_path / "index"))).keyword[0].key)
     with pytest.raises(ManifestError, match="checksum"):
-        engine_for(lake, tmp_path / "index")  # a fresh replica must fetch it: it refuses to serve it
+        engine_for(lake, tmp_path / "index")
 
 
 def test_modes_are_checked_and_old_versions_without_a_keyword_index_say_so(tmp_path: Path, ray_local: None) -> None:
