@@ -6,7 +6,8 @@ as a child process against the embedded broker and a local lake:
 1. publish the docs as Debezium snapshot events (``op: r``) of a ``docs`` table (a few
    documents restricted to the ``staff`` group), ingest them, build the index, serve;
 2. ask questions and print, for each, the extractive answer (the sources' own sentences, no
-   model) and the generated one, both with their citations;
+   model) and the generated one, both with their citations; search an exact API name in
+   each mode (dense, keyword, hybrid);
 3. apply live changes (an update, a delete, a new document) and time how long each takes
    to show in search, without a rebuild;
 4. print the lineage chain of one answer, and show that a caller outside ``staff`` never
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -308,16 +310,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
             show_answer(answer, "generated")
         demo.timings["answer_p50_s"] = sorted(a["timings"]["total_ms"] for a in answers)[len(answers) // 2] / 1000
 
-        heading("5. Live changes, no rebuild: update, delete, insert")
+        heading("5. Search modes: an exact API name by vectors, by keywords (BM25), and both fused")
+        modes_report(demo, docs)
+
+        heading("6. Live changes, no rebuild: update, delete, insert")
         freshness = live_changes(demo, docs)
 
-        heading("6. Lineage of the first answer (as the auditor)")
+        heading("7. Lineage of the first answer (as the auditor)")
         from retrieval.commands import render_lineage
 
         chain = demo.get(f"/v1/lineage/answers/{answers[0]['answer_id']}").json()
         say(render_lineage("answer", chain))
 
-        heading("7. ACLs: 'alice' (no groups) vs 'sam' (staff) on a restricted document")
+        heading("8. ACLs: 'alice' (no groups) vs 'sam' (staff) on a restricted document")
         acl_report(demo, restricted)
 
         heading("Summary")
@@ -385,6 +390,34 @@ def live_changes(demo: Demo, docs: list[Doc]) -> dict[str, float]:
     answer = demo.post("/v1/answer", {"question": "How quickly do source changes reach search results?", "k": 3})
     show_answer(answer)
     return out
+
+
+def identifier(docs: list[Doc]) -> tuple[str, str] | None:
+    """An API name (``module.function``) that only one document of the subset mentions, the
+    one mentioned most, and that document's id: what a user pastes into a search box."""
+    counts: dict[str, dict[str, int]] = {}
+    for doc in docs:
+        for name in re.findall(r"\b([a-z_]{2,}\.[a-z_]{3,})\(", doc.body):
+            counts.setdefault(name, {}).setdefault(doc.id, 0)
+            counts[name][doc.id] += 1
+    single = sorted((n, name, doc_id) for name, by in counts.items() if len(by) == 1 for doc_id, n in by.items())
+    return (single[-1][1], single[-1][2]) if single else None
+
+
+def modes_report(demo: Demo, docs: list[Doc]) -> None:
+    found = identifier(docs)
+    if found is None:
+        say("  (no API name in this subset)")
+        return
+    name, doc_id = found
+    say(f"  query {name!r} (mentioned only in {doc_id}): the top 3 of each mode")
+    for mode in ("dense", "keyword", "hybrid"):
+        results = demo.post("/v1/search", {"query": name, "k": 3, "mode": mode}, SAM)["results"]
+        shown = []
+        for r in results:
+            ranks = ", ".join(f"{by} #{hit['rank']}" for by, hit in r["retrievers"].items())
+            shown.append(r["doc_id"].removeprefix("public.docs/") + (f" ({ranks})" if mode == "hybrid" else ""))
+        say(f"    {mode:>7}: {'; '.join(shown) or '(nothing)'}")
 
 
 def acl_report(demo: Demo, restricted: list[Doc]) -> None:

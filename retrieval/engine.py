@@ -139,7 +139,7 @@ class SearchEngine(Views):
         nprobe = 0
         if mode != "keyword":
             assert vector is not None
-            lists["dense"], nprobe = self._dense(reader, tail, vector, depth, allow, tail_allowed)
+            lists["dense"], nprobe = self._dense(reader, tail, vector, depth, k, allow, tail_allowed)
         if mode != "dense":
             assert query is not None
             t = time.perf_counter()
@@ -160,16 +160,19 @@ class SearchEngine(Views):
         tail: TailState,
         vector: np.ndarray,
         depth: int,
+        need: int,
         allow: Allow,
         tail_allowed: np.ndarray,
     ) -> tuple[list[Candidate], int]:
-        """The ``depth`` nearest visible chunks (cosine similarity, best first), and the lists probed."""
+        """The ``depth`` nearest visible chunks (cosine similarity, best first), and the lists
+        probed: more lists while the probed ones hold fewer than ``need`` (hybrid fusion takes
+        ``depth`` candidates when they are there, but widens only for the ``k`` it returns)."""
         nlist = reader.manifest.nlist
         nprobe = min(self.options.nprobe or default_nprobe(nlist), nlist)
         query = np.ascontiguousarray(vector[None, :], dtype=np.float32)
         while True:
             hits = reader.search(query, depth, nprobe, allow)[0]
-            if len(hits) >= depth or nprobe >= nlist:
+            if len(hits) >= need or nprobe >= nlist:
                 break
             nprobe = min(nlist, nprobe * 4)
             metrics.NPROBE_WIDENED.inc()
