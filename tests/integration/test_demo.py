@@ -26,7 +26,7 @@ DOCS = {
                  "function is called. The syntax to create a lambda function is lambda parameters: expression."),
     "tutorial/inputoutput": ("Input and Output", "Reading and Writing Files",
                              "To read a file line by line, loop over the file object: for line in f: print(line). "
-                             "This is memory efficient and fast."),
+                             "This is memory efficient and fast. To decode JSON text, call json.loads(text)."),
     "tutorial/whatnow": ("What Now?", "Where to go next",
                          "Reading this tutorial has probably reinforced your interest in using Python. The "
                          "Python Package Index lists third-party modules."),
@@ -48,7 +48,7 @@ def test_demo_shows_the_whole_story_and_exits_0(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
     for step in ("1. Start the dev broker", "2. Ingest", "3. Build the IVF index", "4. Ask questions",
-                 "5. Live changes", "6. Lineage", "7. ACLs", "Summary"):  # fmt: skip
+                 "5. Search modes", "6. Live changes", "7. Lineage", "8. ACLs", "Summary"):  # fmt: skip
         assert step in text, f"missing step {step!r}:\n{text[-3000:]}"
     assert "6 documents" in text and "2 restricted to group 'staff': faq/gui, faq/windows" in text
     assert text.count("  Q: ") == 3 and text.count("answer id ") >= 3
@@ -57,6 +57,10 @@ def test_demo_shows_the_whole_story_and_exits_0(tmp_path: Path) -> None:
     assert re.search(r"inserted demo/streaming: top search result after", text)
     assert "public.docs pk=" in text and "lake version" in text  # the lineage chain
     assert "none from faq/gui: True" in text and "HTTP 404" in text
-    assert "room 4B" not in text.split("7. ACLs")[1]  # the restricted text never reaches alice
+    # the API name is searched in each mode: BM25 finds the one document that writes it
+    assert "query 'json.loads' (mentioned only in tutorial/inputoutput)" in text
+    assert re.search(r"keyword: tutorial/inputoutput(;|\n)", text)
+    assert re.search(r"hybrid: .*\((dense #\d+, )?keyword #1", text)
+    assert "room 4B" not in text.split("8. ACLs")[1]  # the restricted text never reaches alice
     assert re.search(r"freshness \(produce → visible in /v1/search\): update [\d.]+ s, delete [\d.]+ s, insert", text)
     assert "Traceback" not in out.stderr
