@@ -45,6 +45,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "keyword: BM25 only (serve: what a request that names no mode gets)",
     )
     p.add_argument("--keyword-weight", type=float, help="hybrid: weight of the keyword ranking; dense's is 1 (0.75)")
+    p.add_argument(
+        "--fusion",
+        choices=["rrf", "linear"],
+        help="hybrid: rrf (default): weight / (k + rank) per ranking; linear: weights × scores min-max normalised "
+        "per ranking (its fused scores carry BM25's, which count documents the caller may not see)",
+    )
     p.add_argument("--rrf-k", type=int, help="hybrid: the constant k of weight / (k + rank) (10)")
     p.add_argument("--fusion-depth", type=int, help="hybrid: candidates fused from each ranking (50)")
 
@@ -174,6 +180,7 @@ def _engine(config: EngineSettings) -> Any:
         prefetch_bytes=memory,
         mode=config.mode,
         keyword_weight=config.keyword_weight,
+        fusion=config.fusion,
         rrf_k=config.rrf_k,
         fusion_depth=config.fusion_depth,
         keyword_dir=str(keyword_dir(config.cache_dir or default_cache_dir())),

@@ -182,16 +182,23 @@ class SearchEngine(Views):
         return [(1.0 - d / 2.0, origin, ref) for d, origin, ref in merged[:depth]], nprobe
 
     def _fuse(self, lists: dict[str, list[Candidate]], k: int) -> list[Picked]:
-        """Weighted reciprocal-rank fusion: sum over retrievers of weight / (rrf_k + rank)."""
+        """Weighted fusion: reciprocal rank (the sum over retrievers of weight / (rrf_k + rank)) or
+        linear (the sum of weight × the score min-max normalised over that retriever's candidates)."""
         weights = {"dense": self.options.dense_weight, "keyword": self.options.keyword_weight}
+        linear = self.options.fusion == "linear"
         total: dict[tuple[str, int, int], float] = {}
         found_by: dict[tuple[str, int, int], list[tuple[str, int, float]]] = {}
         refs: dict[tuple[str, int, int], tuple[str, Hit | int]] = {}
         for name, found in lists.items():
             weight = weights[name]
+            low, high = (min(c[0] for c in found), max(c[0] for c in found)) if found else (0.0, 0.0)
             for rank, (score, origin, ref) in enumerate(found, 1):
                 key = (origin, ref.shard, ref.faiss_id) if isinstance(ref, Hit) else (origin, -1, ref)
-                total[key] = total.get(key, 0.0) + weight / (self.options.rrf_k + rank)
+                if linear:
+                    share = weight * ((score - low) / (high - low) if high > low else 1.0)
+                else:
+                    share = weight / (self.options.rrf_k + rank)
+                total[key] = total.get(key, 0.0) + share
                 found_by.setdefault(key, []).append((name, rank, score))
                 refs[key] = (origin, ref)
         dense_rank = {key: rank for key, by in found_by.items() for name, rank, _ in by if name == "dense"}

@@ -48,6 +48,8 @@ class EngineOptions:
     #: hybrid: each retriever's candidates, and reciprocal-rank fusion's constant and weights (chosen on
     #: dev halves of the Python docs' FAQ and API-name queries: benchmarks/quality.py, fusion_choice)
     fusion_depth: int = 50
+    #: "rrf" (reciprocal rank) or "linear" (min-max normalised scores)
+    fusion: str = "rrf"
     rrf_k: int = 10
     dense_weight: float = 1.0
     keyword_weight: float = 0.75

@@ -113,6 +113,17 @@ def test_hybrid_fuses_both_retrievers_and_says_which_found_each(setup) -> None: 
     assert dense_only.mode == "dense" and all(set(r["retrievers"]) == {"dense"} for r in dense_only.results)
 
 
+def test_linear_fusion_adds_normalised_scores(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, _, docs = setup
+    engine.options = dataclasses.replace(engine.options, fusion="linear")
+    result = engine.search(docs[42].text, k=5)
+    top = result.results[0]
+    assert ids(result)[0] == docs[42].chunk_id and top["retrievers"]["keyword"]["rank"] == 1
+    assert top["score"] == pytest.approx(1.0 + 0.75, abs=1e-6)  # the best of each ranking normalises to 1
+    scores = [r["score"] for r in result.results]
+    assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1.75 for s in scores)
+
+
 def test_acl_filters_inside_the_keyword_scan(setup) -> None:  # type: ignore[no-untyped-def]
     engine, _, docs = setup
     for mode in ("keyword", "hybrid"):
