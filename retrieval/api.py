@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 MODE_HELP = (
     "hybrid: keyword (BM25) and vector search fused by reciprocal rank; dense: vector search; keyword: BM25 "
-    "(default: the service's --search-mode)"
+    "(default: the service's --mode)"
 )
 FILTER_HELP = (
     'only chunks whose document metadata matches: {"key": value or [any of these values]}, every key must match'

@@ -77,14 +77,31 @@ class KeywordCopies:
     """The keyword working copies of one replica, under one local directory."""
 
     def __init__(self, root: Path | None = None) -> None:
-        #: pristine copies live here (kept across restarts when ``root`` is given); working copies below
+        #: pristine copies live here (kept across restarts when ``root`` is given); working copies in
+        #: ``work`` below it. Both are made on first use: a dense-only replica writes nothing.
         self.temporary = root is None
-        self.root = Path(tempfile.mkdtemp(prefix="streamrag-keyword-")) if root is None else root
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.work = Path(tempfile.mkdtemp(prefix="work-", dir=self.root))
+        self._root = root
+        self._work: Path | None = None
+        self._dirs = threading.Lock()
         self._copies: weakref.WeakKeyDictionary[TailLog, dict[str, _Copy]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._checked: set[Path] = set()  # pristine directories verified by this process
+
+    @property
+    def root(self) -> Path:
+        with self._dirs:
+            if self._root is None:
+                self._root = Path(tempfile.mkdtemp(prefix="streamrag-keyword-"))
+            self._root.mkdir(parents=True, exist_ok=True)
+            return self._root
+
+    @property
+    def work(self) -> Path:
+        root = self.root
+        with self._dirs:
+            if self._work is None:
+                self._work = Path(tempfile.mkdtemp(prefix="work-", dir=root))
+            return self._work
 
     def copy_for(self, reader: IndexReader, tail: TailState) -> _Copy:
         """The working copy for this view, made on first use and brought up to ``tail``."""
@@ -129,7 +146,10 @@ class KeywordCopies:
     def close(self) -> None:
         with self._lock:
             self._copies = weakref.WeakKeyDictionary()
-        shutil.rmtree(self.root if self.temporary else self.work, ignore_errors=True)
+            doomed = self._root if self.temporary else self._work
+            self._work = None
+        if doomed is not None:
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 #: a keyword candidate: (BM25 score, "index" | "tail", a Hit or a tail row)
