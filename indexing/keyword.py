@@ -43,8 +43,10 @@ log = logging.getLogger(__name__)
 
 #: the key bit of a tail row's document (index rows: shard << 32 | faiss id)
 TAIL = 1 << 63
-#: the ACL term of a public row (no group can be named this: group names are printable)
-PUBLIC = "\x00public"
+#: the ACL term of a public row; a group's term is ``GROUP`` + its name, so no group name
+#: (whatever a source row holds) can make a row public
+PUBLIC = "public"
+GROUP = "g:"
 #: the columns a keyword document is made of
 COLUMNS = ["title", "text", "acl", "chunk_id"]
 #: tantivy's writer heap (it needs at least 15 MB per thread)
@@ -99,8 +101,8 @@ def document(
     if title:
         doc.add_text("title", title)
     doc.add_text("text", text or "")
-    for group in acl or (PUBLIC,):
-        doc.add_text("acl", group)
+    for term in [GROUP + g for g in acl if g is not None] if acl else [PUBLIC]:  # [None]: nobody's
+        doc.add_text("acl", term)
     return doc
 
 
@@ -155,7 +157,7 @@ class KeywordIndex:
             for term in query_terms
             for field, w in FIELDS
         ]
-        visible = tantivy.Query.term_set_query(SCHEMA, "acl", sorted({PUBLIC, *groups}))
+        visible = tantivy.Query.term_set_query(SCHEMA, "acl", [PUBLIC, *sorted(GROUP + g for g in groups)])
         parts = [
             (tantivy.Occur.Must, tantivy.Query.boolean_query(clauses)),
             (tantivy.Occur.Must, tantivy.Query.const_score_query(visible, 0.0)),

@@ -125,7 +125,7 @@ def test_linear_fusion_adds_normalised_scores(setup) -> None:  # type: ignore[no
 
 
 def test_acl_filters_inside_the_keyword_scan(setup) -> None:  # type: ignore[no-untyped-def]
-    engine, _, docs = setup
+    engine, lake, docs = setup
     for mode in ("keyword", "hybrid"):
         assert docs[50].chunk_id not in ids(engine.search("EAGAIN payroll", k=50, mode=mode))
         assert ids(engine.search("EAGAIN payroll", k=1, principal=HR, mode=mode)) == [docs[50].chunk_id]
@@ -134,6 +134,15 @@ def test_acl_filters_inside_the_keyword_scan(setup) -> None:  # type: ignore[no-
     assert len(hr.results) == 100
     public = engine.search("note", k=100, mode="keyword")
     assert len(public.results) == 100 and not {d.chunk_id for d in docs if d.acl} & set(ids(public))
+    # a group whose name is the public marker does not make a row public
+    for group in ("public", "\x00public", "g:public"):
+        lake.write([Doc(950, f"quasar memo for {group!r}", (group,))])
+        engine._tail.poll()
+        assert engine.search("quasar", k=5, mode="keyword").results == []
+        member = Principal("m", frozenset({group}))
+        assert ids(engine.search("quasar", k=5, principal=member, mode="keyword")) == [
+            Doc(950, f"quasar memo for {group!r}", (group,)).chunk_id
+        ]
 
 
 def test_keyword_search_widens_until_k_pass_the_filters(setup) -> None:  # type: ignore[no-untyped-def]
