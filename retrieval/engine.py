@@ -25,7 +25,7 @@ from retrieval import metrics
 from retrieval.acl import ANONYMOUS, Principal
 from retrieval.errors import SearchError
 from retrieval.filters import MetadataFilter
-from retrieval.keyword import keyword_search
+from retrieval.keyword import Candidate, keyword_search
 from retrieval.masks import shard_filter
 from retrieval.query_embedding import QueryEmbedder
 from retrieval.results import RESULT_COLUMNS, SearchResult, result_record
@@ -234,8 +234,6 @@ class SearchEngine(Views):
         return results, vectors
 
 
-#: a retriever's candidate: (score: higher is better, "index" | "tail", a shard Hit or a tail row)
-Candidate = tuple[float, str, "Hit | int"]
 #: a result to return: (score, origin, ref, {retriever: {"rank", "score"}})
 Picked = tuple[float, str, "Hit | int", dict[str, dict[str, float]]]
 

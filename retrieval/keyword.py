@@ -152,7 +152,7 @@ class KeywordCopies:
             shutil.rmtree(doomed, ignore_errors=True)
 
 
-#: a keyword candidate: (BM25 score, "index" | "tail", a Hit or a tail row)
+#: a retriever's candidate: (score, higher is better: cosine or BM25; "index" | "tail"; a shard Hit or a tail row)
 Candidate = tuple[float, str, Hit | int]
 
 
