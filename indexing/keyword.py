@@ -1,7 +1,8 @@
 """The keyword (BM25) index of an index version: a tantivy index beside the vector shards.
 
 ``index build`` writes one tantivy index per full build, over every row of its shards
-(title and text, stemmed English; the ACL groups as raw terms), and names its files in the
+(title and text, stemmed English; the names the chunk defines, whole; the ACL groups as raw
+terms), and names its files in the
 manifest, so it is published, verified (sha256) and garbage-collected with the shards.
 An incremental version shares its base's keyword index as it shares the base's shards:
 its delta rows are added by the replica when it opens the version (a delta is at most
@@ -22,7 +23,9 @@ after the next build.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -49,6 +52,31 @@ PUBLIC = "public"
 GROUP = "g:"
 #: the columns a keyword document is made of
 COLUMNS = ["title", "text", "acl", "chunk_id"]
+#: the API names a chunk defines, as reference docs and code write a definition: a Sphinx
+#: directive (``.. function:: replace(src, dst)``), a Python ``def``/``class``, a Markdown
+#: heading that is a signature (``### `os.replace(src, dst)` ``)
+_DEFINITIONS = (
+    re.compile(
+        r"^\s*\.\. (?:py:)?(?:function|method|class|exception|data|attribute|property|decorator|"
+        r"decoratormethod|classmethod|staticmethod|abstractmethod|coroutinefunction|coroutinemethod|"
+        r"module|cmdoption|option|envvar|opcode|type|macro|member|var)::\s*([^\s(\[]+)",
+        re.M,
+    ),
+    re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+([A-Za-z_]\w*)", re.M),
+    re.compile(r"^#{1,6}\s+`?([A-Za-z_][\w.]*)\(", re.M),
+)
+#: the module a chunk's definitions belong to: a Sphinx module directive in the chunk, else
+#: its document's title (``:mod:`os` --- ...`` in reST, ``os — ...`` as rendered)
+_MODULE = re.compile(r"^\s*\.\. (?:py:)?(?:module|currentmodule)::\s*([\w.]+)", re.M)
+_TITLE_MODULE = re.compile(r":mod:`[!~]?([\w.]+)`|^([A-Za-z_][\w.]*)\s+(?:—|---|--)\s")
+#: a name as users paste it: a dotted identifier, or a command line option
+_IDENTIFIER = re.compile(r"(?<![\w-])-{1,2}[A-Za-z][\w-]*|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+#: a name term's weight against a text term's. A name scores as BM25 with no length
+#: normalisation (idf × weight, once per chunk): a field that most chunks leave empty makes
+#: tantivy's normalisation crush a chunk that defines a few names. A definition of the name a
+#: query holds then outranks the chunks that only mention it (benchmarks/quality.py,
+#: identifier queries: keyword recall@10 0.63 without the field, 0.97 at weights 0.5 to 3)
+NAMES_WEIGHT = 1.0
 #: tantivy's writer heap (it needs at least 15 MB per thread)
 WRITER_HEAP = 64 << 20
 #: a tantivy file that is never part of an index's content
@@ -67,6 +95,9 @@ def schema() -> tantivy.Schema:
     # an index row's chunk id: queries exclude the chunks the tail has superseded by it
     builder.add_text_field("chunk", tokenizer_name="raw", index_option="basic")
     builder.add_unsigned_field("key", indexed=True, fast=True)
+    # the names the chunk defines, each with its module and every dotted suffix (defined_names);
+    # last, so an index built before it has the same field ids for the others
+    builder.add_text_field("names", tokenizer_name="raw", index_option="basic")
     return builder.build()
 
 
@@ -91,6 +122,53 @@ def terms(query: str) -> list[str]:
     return list(dict.fromkeys(ANALYZER.analyze(query)))
 
 
+def _suffixes(name: str) -> list[str]:
+    """``imaplib.IMAP4.read`` → imaplib.imap4.read, imap4.read, read (an option stays whole)."""
+    if name.startswith("-"):
+        return [name.lower()]
+    parts = [p for p in name.lower().split(".") if p]
+    return [".".join(parts[i:]) for i in range(len(parts))]
+
+
+def defined_names(text: str | None, title: str | None) -> list[str]:
+    """The ``names`` terms of a chunk: each name it defines, qualified by its module, and every
+    dotted suffix of that (so ``os.replace``, ``replace`` and a class's ``Path.replace`` all match)."""
+    if not text:
+        return []
+    found = [name for pattern in _DEFINITIONS for name in pattern.findall(text)]
+    if not found:
+        return []
+    in_text = _MODULE.search(text)
+    in_title = _TITLE_MODULE.search(title or "")
+    module = in_text.group(1) if in_text else next((g for g in in_title.groups() if g), None) if in_title else None
+    out: dict[str, None] = {}
+    for name in found:
+        own = name.startswith("-") or not module or name == module or name.startswith(module + ".")
+        qualified = name if own else f"{module}.{name}"
+        out.update(dict.fromkeys(_suffixes(qualified)))
+    return list(out)
+
+
+def _code_like(token: str) -> bool:
+    return "." in token or "_" in token or token.startswith("-") or re.search(r"[a-z][A-Z]", token) is not None
+
+
+def query_names(query: str) -> list[str]:
+    """The ``names`` terms a query asks for: its code-like tokens (dotted, snake_case, camelCase,
+    options), or its only word, with their dotted suffixes."""
+    tokens = _IDENTIFIER.findall(query)
+    wanted = tokens if len(tokens) == 1 else [t for t in tokens if _code_like(t)]
+    return list(dict.fromkeys(term for t in wanted for term in _suffixes(t)))
+
+
+def identifier_query(query: str) -> bool:
+    """A query that is a name, not a sentence: at most three words, one token or only code-like
+    ones (``os.replace``, ``dirs_exist_ok``, ``EAGAIN``, ``--user``). Hybrid search weighs its
+    keyword ranking more (``EngineOptions.identifier_weight``)."""
+    tokens = _IDENTIFIER.findall(query)
+    return bool(tokens) and len(query.split()) <= 3 and (len(tokens) == 1 or all(_code_like(t) for t in tokens))
+
+
 def document(
     key: int, title: str | None, text: str | None, acl: Sequence[str] | None, chunk_id: str | None = None
 ) -> tantivy.Document:
@@ -101,6 +179,8 @@ def document(
     if title:
         doc.add_text("title", title)
     doc.add_text("text", text or "")
+    for name in defined_names(text, title):  # an index without the field (built before it) ignores them
+        doc.add_text("names", name)
     for term in [GROUP + g for g in acl if g is not None] if acl else [PUBLIC]:  # [None]: nobody's
         doc.add_text("acl", term)
     return doc
@@ -123,6 +203,8 @@ class KeywordIndex:
         self._writer: Any = None
         self._lock = threading.Lock()
         self.searcher = self.index.searcher()
+        #: whether the index has the ``names`` field (an index built before it does not)
+        self.has_names = _has_field(self.index, "names")
 
     def add(self, docs: Iterable[tantivy.Document]) -> int:
         """Add documents and commit them (visible to searches once this returns)."""
@@ -146,17 +228,31 @@ class KeywordIndex:
                 self._writer = None
 
     def search(
-        self, query_terms: list[str], groups: frozenset[str], limit: int, exclude: Sequence[str] = ()
+        self,
+        query_terms: list[str],
+        groups: frozenset[str],
+        limit: int,
+        exclude: Sequence[str] = (),
+        names: Sequence[str] = (),
     ) -> list[Match]:
         """The best ``limit`` documents a caller in ``groups`` may see (by their ACL terms) for any
-        of the terms, but for index rows of the chunks in ``exclude``."""
-        if not query_terms or limit <= 0:
+        of the terms or defined ``names`` (``query_names``), but for index rows of the chunks in ``exclude``."""
+        if limit <= 0:
             return []
+        searcher = self.searcher
         clauses = [
             (tantivy.Occur.Should, _boosted(tantivy.Query.term_query(SCHEMA, field, term, index_option="freq"), w))
             for term in query_terms
             for field, w in FIELDS
         ]
+        for name in names if self.has_names else ():
+            chunks = searcher.doc_freq("names", name)
+            if chunks:
+                idf = math.log(1 + (searcher.num_docs - chunks + 0.5) / (chunks + 0.5))
+                term = tantivy.Query.term_query(SCHEMA, "names", name, index_option="basic")
+                clauses.append((tantivy.Occur.Should, tantivy.Query.const_score_query(term, NAMES_WEIGHT * idf)))
+        if not clauses:
+            return []
         visible = tantivy.Query.term_set_query(SCHEMA, "acl", [PUBLIC, *sorted(GROUP + g for g in groups)])
         parts = [
             (tantivy.Occur.Must, tantivy.Query.boolean_query(clauses)),
@@ -165,7 +261,6 @@ class KeywordIndex:
         if exclude:
             parts.append((tantivy.Occur.MustNot, tantivy.Query.term_set_query(SCHEMA, "chunk", list(exclude))))
         query = tantivy.Query.boolean_query(parts)
-        searcher = self.searcher
         hits = searcher.search(query, limit, count=False).hits
         keys = searcher.fast_field_values("key", [address for _, address in hits])
         return [Match(int(key or 0), float(score)) for (score, _), key in zip(hits, keys, strict=True)]
@@ -173,6 +268,14 @@ class KeywordIndex:
     @property
     def docs(self) -> int:
         return int(self.searcher.num_docs)
+
+
+def _has_field(index: tantivy.Index, field: str) -> bool:
+    try:
+        tantivy.Query.term_query(index.schema, field, "")
+    except ValueError:
+        return False
+    return True
 
 
 def _boosted(query: tantivy.Query, weight: float) -> tantivy.Query:

@@ -46,6 +46,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--keyword-weight", type=float, help="hybrid: weight of the keyword ranking; dense's is 1 (0.75)")
     p.add_argument(
+        "--identifier-weight",
+        type=float,
+        help="hybrid: the keyword ranking's weight for a query that is an identifier, not a sentence "
+        "(os.replace, dirs_exist_ok, --user: at most three words, code-like) (1.5)",
+    )
+    p.add_argument(
         "--fusion",
         choices=["rrf", "linear"],
         help="hybrid: rrf (default): weight / (k + rank) per ranking; linear: weights × scores min-max normalised "
@@ -180,6 +186,7 @@ def _engine(config: EngineSettings) -> Any:
         prefetch_bytes=memory,
         mode=config.mode,
         keyword_weight=config.keyword_weight,
+        identifier_weight=config.identifier_weight,
         fusion=config.fusion,
         rrf_k=config.rrf_k,
         fusion_depth=config.fusion_depth,

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from indexing.keyword import identifier_query
 from indexing.manifest import ManifestError
 from indexing.reader import Allow, Hit, IndexReader, ShardSource, take_rows
 from indexing.store import NotFound, ObjectStore
@@ -147,7 +148,9 @@ class SearchEngine(Views):
                 self.keywords, reader, tail, query, depth, principal.groups, allow if where else None, tail_allowed
             )
             metrics.SEARCH_SECONDS.labels("keyword").observe(time.perf_counter() - t)
-        picked = self._fuse(lists, k) if mode == "hybrid" else _ranked(lists[mode], mode, k)
+        picked = (
+            self._fuse(lists, k, identifier_query(query or "")) if mode == "hybrid" else _ranked(lists[mode], mode, k)
+        )
         results, vectors = self._materialize(view, picked, with_vectors)
         # Only the tail rows this caller may see are counted: the total would tell an outsider
         # how many hidden chunks changed since the index.
@@ -181,10 +184,12 @@ class SearchEngine(Views):
         merged.sort(key=lambda m: m[0])
         return [(1.0 - d / 2.0, origin, ref) for d, origin, ref in merged[:depth]], nprobe
 
-    def _fuse(self, lists: dict[str, list[Candidate]], k: int) -> list[Picked]:
+    def _fuse(self, lists: dict[str, list[Candidate]], k: int, identifier: bool) -> list[Picked]:
         """Weighted fusion: reciprocal rank (the sum over retrievers of weight / (rrf_k + rank)) or
-        linear (the sum of weight × the score min-max normalised over that retriever's candidates)."""
-        weights = {"dense": self.options.dense_weight, "keyword": self.options.keyword_weight}
+        linear (the sum of weight × the score min-max normalised over that retriever's candidates).
+        The keyword ranking weighs more for a query that is an identifier (``identifier``)."""
+        keyword_weight = self.options.identifier_weight if identifier else self.options.keyword_weight
+        weights = {"dense": self.options.dense_weight, "keyword": keyword_weight}
         linear = self.options.fusion == "linear"
         total: dict[tuple[str, int, int], float] = {}
         found_by: dict[tuple[str, int, int], list[tuple[str, int, float]]] = {}

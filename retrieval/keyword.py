@@ -29,7 +29,17 @@ from pathlib import Path
 
 import numpy as np
 
-from indexing.keyword import TAIL, KeywordIndex, Match, document, fetch_pristine, shard_documents, terms, working_copy
+from indexing.keyword import (
+    TAIL,
+    KeywordIndex,
+    Match,
+    document,
+    fetch_pristine,
+    query_names,
+    shard_documents,
+    terms,
+    working_copy,
+)
 from indexing.reader import Allow, Hit, IndexReader
 from retrieval.tail import TailLog, TailState
 
@@ -168,14 +178,14 @@ def keyword_search(
 ) -> list[Candidate]:
     """The ``depth`` best keyword matches the caller may see, best first (``allow``: the shard
     masks of a metadata filter, None without one)."""
-    wanted = terms(query)
-    if not wanted:
+    wanted, names = terms(query), query_names(query)
+    if not wanted and not names:
         return []
     copy = copies.copy_for(reader, tail)
     stale = superseded(tail)
     limit = depth + SLACK
     while True:
-        matches = copy.index.search(wanted, groups, limit, stale)
+        matches = copy.index.search(wanted, groups, limit, stale, names)
         found = list(_visible(reader, tail, matches, allow, tail_allowed))
         if len(found) >= depth or len(matches) < limit:
             return found[:depth]

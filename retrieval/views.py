@@ -53,6 +53,9 @@ class EngineOptions:
     rrf_k: int = 10
     dense_weight: float = 1.0
     keyword_weight: float = 0.75
+    #: the keyword ranking's weight for a query that is an identifier, not a sentence (``os.replace``,
+    #: ``dirs_exist_ok``: indexing.keyword.identifier_query), whose definition BM25 finds and dense misses
+    identifier_weight: float = 1.5
     #: where replicas keep keyword index files (None: a temporary directory)
     keyword_dir: str | None = None
 

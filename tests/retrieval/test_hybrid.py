@@ -13,9 +13,18 @@ import time
 from pathlib import Path
 
 import pytest
+import tantivy
 
 from indexing.ivf import BuildOptions, build_index
-from indexing.keyword import KeywordIndex, document, pristine_name, terms
+from indexing.keyword import (
+    KeywordIndex,
+    defined_names,
+    document,
+    identifier_query,
+    pristine_name,
+    query_names,
+    terms,
+)
 from indexing.manifest import ManifestError, load_manifest, publish
 from indexing.snapshot import plan
 from indexing.store import LocalStore
@@ -86,6 +95,89 @@ def test_the_query_analyser_agrees_with_the_fields_tokenizer(tmp_path: Path) -> 
     for term in terms(text) + terms("Titles Matter"):
         assert [m.key for m in index.search([term], frozenset(), 5)] == [7], term
     assert index.search(["yyyy"], frozenset(), 5) == []  # a token over 40 bytes is dropped by both
+
+
+def test_definitions_are_indexed_by_the_names_they_define() -> None:
+    assert defined_names(".. function:: replace(src, dst)\n\n   Rename src.", ":mod:`os` --- OS") == [
+        "os.replace",
+        "replace",
+    ]
+    assert defined_names("   .. method:: IMAP4.read(size)", ":mod:`imaplib` --- IMAP4") == [
+        "imaplib.imap4.read",
+        "imap4.read",
+        "read",
+    ]
+    assert defined_names(".. module:: os.path\n.. function:: join(a)", "whatever") == [
+        "os.path", "path", "os.path.join", "path.join", "join",
+    ]  # fmt: skip
+    assert defined_names(".. cmdoption:: -u\n", ":mod:`sys`") == ["-u"]  # options are not qualified
+    assert defined_names("async def fetch(url):\n    pass\nclass Pool:", "os.path — Paths") == [
+        "os.path.fetch", "path.fetch", "fetch", "os.path.pool", "path.pool", "pool",
+    ]  # fmt: skip
+    assert defined_names("### `shutil.copytree(src, dst)`\nCopies.", None) == ["shutil.copytree", "copytree"]
+    assert defined_names("It calls os.replace(src, dst) and def is a keyword.", ":mod:`os`") == []  # a mention
+
+
+def test_a_query_is_an_identifier_when_it_is_a_name_not_a_sentence() -> None:
+    assert query_names("os.replace") == ["os.replace", "replace"] and identifier_query("os.replace")
+    assert query_names("EAGAIN") == ["eagain"] and identifier_query("EAGAIN")
+    assert query_names("--user") == ["--user"] and identifier_query("dirs_exist_ok")
+    assert identifier_query("shutil.copytree dirs_exist_ok") and not identifier_query("json loads")
+    sentence = "How do I use os.path.join on Windows?"
+    assert not identifier_query(sentence) and query_names(sentence) == ["os.path.join", "path.join", "join"]
+    assert query_names("Why are default values shared?") == [] and query_names("floating-point") == []
+    assert not identifier_query("?!") and query_names("?!") == []
+
+
+def test_an_index_built_before_the_names_field_still_answers(tmp_path: Path) -> None:
+    """Field ids are positional: ``names`` comes last, so an older index's fields keep theirs."""
+    builder = tantivy.SchemaBuilder()
+    for field in ("title", "text"):
+        builder.add_text_field(field, tokenizer_name="en_stem", index_option="freq")
+    for field in ("acl", "chunk"):
+        builder.add_text_field(field, tokenizer_name="raw", index_option="basic")
+    builder.add_unsigned_field("key", indexed=True, fast=True)
+    tantivy.Index(builder.build(), path=str(tmp_path), reuse=False)
+    old = KeywordIndex(tmp_path)
+    assert not old.has_names
+    old.add([document(1, None, ".. function:: replace(src)", ["hr"]), document(2, None, "replace it", None)])
+    assert [m.key for m in old.search(terms("os.replace"), frozenset(), 5, names=query_names("os.replace"))] == [2]
+    assert {m.key for m in old.search(terms("replace"), frozenset({"hr"}), 5)} == {1, 2}
+
+
+def test_a_definition_outranks_chunks_that_only_mention_its_name(tmp_path: Path, ray_local: None) -> None:
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
+    docs = corpus()
+    definition = Doc(60, ".. module:: os\n\n.. function:: replace(src, dst)\n\n   Rename the file src to dst.")
+    docs[60] = definition
+    for pk in range(61, 70):  # mentions, each saying the name more often than the definition does
+        docs[pk] = Doc(pk, f"see os.replace: os.replace and replace again, os.replace(a, b) {pk}")
+    lake.write(docs)
+    build(lake, tmp_path / "index")
+    engine = engine_for(lake, tmp_path / "index")
+    assert ids(engine.search("os.replace", k=3, mode="keyword"))[0] == definition.chunk_id
+    hybrid = engine.search("os.replace", k=10)  # an identifier: the keyword ranking weighs 1.5, not 0.75
+    (top,) = [r for r in hybrid.results if r["chunk_id"] == definition.chunk_id]
+    dense = top["retrievers"].get("dense")
+    assert top["retrievers"]["keyword"]["rank"] == 1
+    assert top["score"] == pytest.approx(1.5 / 11 + (1 / (10 + dense["rank"]) if dense else 0), abs=1e-6)
+    sentence = engine.search("where is os.replace documented", k=50)
+    (top,) = [r for r in sentence.results if r["chunk_id"] == definition.chunk_id]
+    dense, keyword = top["retrievers"].get("dense"), top["retrievers"]["keyword"]
+    expected = 0.75 / (10 + keyword["rank"]) + (1 / (10 + dense["rank"]) if dense else 0)
+    assert top["score"] == pytest.approx(expected, abs=1e-6)
+    # a definition that arrives with the stream is found by its name at once; a hidden one is not
+    fresh = Doc(70, ".. module:: shutil\n.. function:: copytree(src, dst, dirs_exist_ok=False)", ("hr",))
+    lake.write([fresh])
+    assert engine._tail is not None and engine._tail.poll()
+    assert ids(engine.search("shutil.copytree", k=1, mode="keyword", principal=HR)) == [fresh.chunk_id]
+    assert fresh.chunk_id not in ids(engine.search("shutil.copytree", k=50, mode="keyword"))
+    assert fresh.chunk_id not in ids(engine.search("copytree", k=50))
+    # deleted in the tail: its index row is superseded, by name as by text
+    lake.write([definition], op="delete")
+    engine._tail.poll()
+    assert definition.chunk_id not in ids(engine.search("os.replace", k=50, mode="keyword"))
+    engine.stop()
 
 
 def test_keyword_finds_identifiers_with_lineage(setup) -> None:  # type: ignore[no-untyped-def]
