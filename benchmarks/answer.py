@@ -232,10 +232,18 @@ class FixedReply:
 
 
 def bench_usefulness(
-    url: str, corpus_texts: list[str], qs: list[Any], styles: list[str], k: int = 5, show: int = 10
+    url: str,
+    corpus_texts: list[str],
+    qs: list[Any],
+    styles: list[str],
+    k: int = 5,
+    show: int = 10,
+    dump: Path | None = None,
 ) -> None:
-    """Each style on every FAQ question: do answers cite the gold answer, are the citations right."""
+    """Each style on every FAQ question: do answers cite the gold answer, are the citations right
+    (``dump``: every answer, with its sources' texts, one JSON line each, for calibrating attribution)."""
     http = httpx.Client(timeout=300)
+    dumped = dump.open("w") if dump else None
     rng = random.Random(3)
     shown = set(rng.sample(range(len(qs)), min(show, len(qs))))
     for style in styles:
@@ -248,6 +256,9 @@ def bench_usefulness(
             found.append(any(r in q.relevant for r in sources.values()))
             first.append(sources.get(1) in q.relevant)
             hits.append(any(int(c["chunk_id"][1:]) in q.relevant for c in body["citations"]))
+            if dumped:
+                texts = {n: corpus_texts[row] for n, row in sources.items()}
+                dumped.write(json.dumps({"style": style, "question": q.text, "body": body, "texts": texts}) + "\n")
             for sentence in body["sentences"]:
                 sentences += 1
                 flagged += sentence["flagged"]
@@ -305,6 +316,7 @@ def main() -> None:
     parser.add_argument("--styles", nargs="+", choices=["extract", "generate"], default=["extract", "generate"])
     parser.add_argument("--corpus", choices=["all", "faq"], default="all", help="docs indexed (faq: its pages)")
     parser.add_argument("--requests", type=int, default=300, help="requests per service in the overhead section")
+    parser.add_argument("--dump", type=Path, help="usefulness: write every answer and its sources' texts here (JSONL)")
     args = parser.parse_args()
     sections = set(args.only or ["latency", "citations", "usefulness", "overhead"])
     work = Path(tempfile.mkdtemp(prefix="srbench-", dir="/tmp"))
@@ -331,7 +343,7 @@ def main() -> None:
 
                         corpus = embedded_pydocs(prefix=prefix)
                         gold = gold_questions(corpus.doc_ids, corpus.texts)
-                        bench_usefulness(url, corpus.texts, gold, args.styles)
+                        bench_usefulness(url, corpus.texts, gold, args.styles, dump=args.dump)
                 finally:
                     os.killpg(proc.pid, 15)
                     proc.wait(60)
