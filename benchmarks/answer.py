@@ -22,6 +22,12 @@ Sections
   the share of sentences flagged, latency (``--styles`` to run one); ten answers of each style printed as
   ``answer_sample`` lines for a person to read. ``--corpus faq`` indexes only the FAQ
   pages (minutes instead of the ~25 of embedding the whole docs the first time).
+- rejudge (``--rejudge DUMP``): the generated answers a usefulness run wrote with
+  ``--dump``, attributed again by the current ``serving.citations`` (no generation: the same
+  answers), at the service's defaults and over a grid of similarity and overlap thresholds;
+  the grid is chosen on even-numbered questions (most sentences attributed at a citation
+  precision >= 0.8) and reported on the odd-numbered ones. This is how AnswerOptions'
+  thresholds were calibrated.
 - overhead: the audit log's cost on /v1/answer p50 (target <= 5%): two services, audit
   on and off, on the same index, both answered by a fixed-reply generator (so the
   generator's own variance does not drown the difference), requests interleaved.
@@ -47,6 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
+import numpy as np
 
 from benchmarks.index import emit
 from benchmarks.pydocs import embedded_pydocs
@@ -309,6 +316,74 @@ def bench_overhead(lake: str, index: str, work: Path, questions: list[str], requ
         fixed.server.shutdown()
 
 
+#: the rejudge grid: (similarity threshold, overlap threshold); (0.5, 0.0) is similarity alone,
+#: the rule before overlap was required
+REJUDGE = [(0.5, 0.0)] + [(t, o) for t in (0.3, 0.4, 0.5) for o in (0.5, 0.6, 0.65, 0.7, 0.8)]
+
+
+def bench_rejudge(dump: Path, corpus_texts: list[str], gold: dict[str, set[int]]) -> None:
+    """Attribute the dumped generated answers again, as the service would now, over a grid."""
+    from retrieval.answer import AnswerOptions, clip
+    from serving.citations import attribute, strip_markers
+    from serving.prompt import Source
+    from serving.st_embedder import SentenceTransformerEmbedder
+
+    embedder = SentenceTransformerEmbedder(device="cpu")
+    memo: dict[str, Any] = {}
+
+    class Memo:  # the grid re-attributes the same sentences: embed each once
+        def embed(self, texts: list[str]) -> Any:
+            missing = [t for t in dict.fromkeys(texts) if t not in memo]
+            if missing:
+                memo.update(zip(missing, embedder.embed(missing), strict=True))
+            return np.stack([memo[t] for t in texts])
+
+    options = AnswerOptions()
+    answers = [json.loads(line) for line in dump.open()]
+    answers = [a for a in answers if a["style"] == "generate" and a["body"].get("raw_answer")]
+    prepared = []
+    for a in answers:
+        body = a["body"]
+        rows = {s["n"]: int(s["chunk_id"][1:]) for s in body["sources"]}
+        sources = [Source(n, s.get("title") or "", clip(corpus_texts[rows[n]], options.max_source_chars))
+                   for n, s in zip(rows, body["sources"], strict=True)]  # fmt: skip
+        vectors = Memo().embed([corpus_texts[rows[n]] for n in rows])
+        prepared.append((a["question"], body["raw_answer"], sources, vectors, rows))
+
+    def run(threshold: float, min_overlap: float, part: int | None) -> dict[str, Any]:
+        sentences = attributed = 0
+        hits: list[bool] = []
+        verdicts: list[bool] = []
+        for i, (question, raw, sources, vectors, rows) in enumerate(prepared):
+            if part is not None and i % 2 != part:
+                continue
+            found = attribute(raw, sources, Memo(), threshold, options.marker_threshold, vectors, min_overlap)
+            for s in found.sentences:
+                sentences += 1
+                attributed += bool(s.sources)
+                for n in s.sources[:1]:
+                    verdict = supported(strip_markers(s.text), corpus_texts[rows[n]])
+                    if verdict is not None:
+                        verdicts.append(verdict)
+            hits.append(any(rows[n] in gold.get(question, set()) for n in found.cited))
+        return {"answers": len(hits), "sentences": sentences,
+                "attributed_share": round(attributed / max(1, sentences), 3),
+                "flagged_share": round(1 - attributed / max(1, sentences), 3),
+                "citation_precision": round(sum(verdicts) / len(verdicts), 3) if verdicts else None,
+                "judged": len(verdicts), "hit_rate": round(sum(hits) / max(1, len(hits)), 3)}  # fmt: skip
+
+    grid = {(t, o): (run(t, o, 0), run(t, o, 1)) for t, o in REJUDGE}
+    for (t, o), (dev, held) in grid.items():
+        emit(bench="attribution_grid", threshold=t, min_overlap=o, dev=dev, held_out=held)
+    eligible = [key for key, (dev, _) in grid.items() if (dev["citation_precision"] or 0) >= 0.8]
+    if eligible:
+        chosen = max(eligible, key=lambda key: grid[key][0]["attributed_share"])
+        emit(bench="attribution_choice", threshold=chosen[0], min_overlap=chosen[1], dev=grid[chosen][0],
+             held_out=grid[chosen][1], note="most dev sentences attributed at precision >= 0.8")  # fmt: skip
+    emit(bench="attribution_defaults", threshold=options.threshold, min_overlap=options.min_overlap,
+         all=run(options.threshold, options.min_overlap, None), similarity_alone=run(0.5, 0.0, None))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["latency", "citations", "usefulness", "overhead"], action="append")
@@ -317,7 +392,15 @@ def main() -> None:
     parser.add_argument("--corpus", choices=["all", "faq"], default="all", help="docs indexed (faq: its pages)")
     parser.add_argument("--requests", type=int, default=300, help="requests per service in the overhead section")
     parser.add_argument("--dump", type=Path, help="usefulness: write every answer and its sources' texts here (JSONL)")
+    parser.add_argument("--rejudge", type=Path, help="attribute the answers of a --dump file again (see Sections)")
     args = parser.parse_args()
+    if args.rejudge:
+        from benchmarks.quality import questions as gold_questions
+
+        corpus = embedded_pydocs(prefix="faq/" if args.corpus == "faq" else "")
+        gold = {q.text: q.relevant for q in gold_questions(corpus.doc_ids, corpus.texts)}
+        bench_rejudge(args.rejudge, corpus.texts, gold)
+        return
     sections = set(args.only or ["latency", "citations", "usefulness", "overhead"])
     work = Path(tempfile.mkdtemp(prefix="srbench-", dir="/tmp"))
     try:

@@ -53,9 +53,11 @@ UNSUPPORTED = ("flag", "drop")
 class AnswerOptions:
     #: characters of each source put in the prompt (SmolLM2's context is 2048 tokens)
     max_source_chars: int = 1200
-    #: sentence ↔ source similarity that counts as support (see serving.citations)
-    threshold: float = 0.5
+    #: a source supports a sentence with both similarity and overlap (see serving.citations;
+    #: calibrated on SmolLM2's answers to the Python FAQ: benchmarks/answer.py, usefulness)
+    threshold: float = 0.4
     marker_threshold: float = 0.3
+    min_overlap: float = 0.7
     max_question_chars: int = 2000
     max_k: int = 20
     #: the style of a request that names none
@@ -248,7 +250,8 @@ class Answerer:
             # The sources' stored vectors (from the index and the tail) stand in for
             # re-embedding them: the same model made them from the same chunk text.
             attribution = attribute(text, p.sources, _Embeds(self.engine.queries), self.options.threshold,
-                                    self.options.marker_threshold, p.result.vectors)  # fmt: skip
+                                    self.options.marker_threshold, p.result.vectors,
+                                    self.options.min_overlap)  # fmt: skip
             drop = p.unsupported == "drop"
             shown = _with_citations(attribution, drop) or (NOTHING_SUPPORTED if drop else text.strip())
             status = "answered"
@@ -264,7 +267,8 @@ class Answerer:
             })  # fmt: skip
         sentences = [
             {"text": s.text if is_code(s.text) else strip_markers(s.text), "sources": s.sources,
-             "scores": {str(n): v for n, v in s.scores.items()}, "flagged": s.flagged, "invalid_markers": s.invalid,
+             "scores": {str(n): v for n, v in s.scores.items()},
+             "overlaps": {str(n): v for n, v in s.overlaps.items()}, "flagged": s.flagged, "invalid_markers": s.invalid,
              "unsupported_markers": s.unsupported, "dropped": s.flagged and p.unsupported == "drop"}
             for s in attribution.sentences
         ]  # fmt: skip

@@ -89,6 +89,8 @@ class AnswerSentence(Out):
     text: str
     sources: list[int]
     scores: dict[str, float]
+    #: generated answers: the share of the sentence's content words found in a span of each supporting source
+    overlaps: dict[str, float] | None = None
     flagged: bool
     invalid_markers: list[int]
     unsupported_markers: list[int]

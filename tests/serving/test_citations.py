@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from serving.citations import attribute, is_code, markers, split_blocks, split_sentences, strip_markers
+from serving.citations import (
+    attribute,
+    content_terms,
+    is_code,
+    markers,
+    overlap,
+    split_blocks,
+    split_sentences,
+    strip_markers,
+)
 from serving.fake_embedder import FakeEmbedder
 from serving.prompt import INSTRUCTIONS, Source, build_messages, prompt_hash
 
@@ -80,3 +90,36 @@ def test_threshold_controls_support(threshold: float) -> None:
     answer = "Penguins are seabirds that swim."
     support = attribute(answer, SOURCES, FakeEmbedder(dim=256), threshold=threshold).sentences[0]
     assert support.flagged == (threshold == 0.9)
+
+
+class Alike:
+    """Every text embeds to the same vector: similarity says nothing, only the words can."""
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        return np.ones((len(texts), 4), np.float32) / 2.0
+
+
+def test_similarity_alone_is_no_support_the_words_must_be_in_the_source() -> None:
+    answer = (
+        "Penguins are flightless seabirds that swim with their wings [1]. "  # the source says so
+        "Penguins are mammals that live in deserts and migrate south [1]. "  # on topic, not said
+        "Yes."  # nothing to check
+    )
+    said, invented, empty = attribute(answer, SOURCES, Alike()).sentences
+    assert said.sources == [1] and said.written == [1] and said.overlaps == {1: 1.0}
+    assert invented.flagged and invented.unsupported == [1] and invented.sources == []
+    assert empty.flagged and content_terms("Yes.") == frozenset()
+    loose = attribute(answer, SOURCES, Alike(), min_overlap=0.1).sentences[1]
+    assert loose.sources == [1] and loose.unsupported == []
+
+
+def test_overlap_is_found_within_one_span_of_the_source() -> None:
+    source = (
+        "Lists are mutable sequences. Tuples are immutable. Strings hold text. Sets hold unique items. "
+        "Dictionaries map keys to values."
+    )
+    assert content_terms("The lists were mutating") == {"list", "mutat"}
+    assert overlap(content_terms("Lists are mutable and tuples immutable."), source) == 1.0
+    # words from the first and the fifth sentence are never within three consecutive sentences
+    assert overlap(content_terms("Lists map keys."), source) == pytest.approx(2 / 3)
+    assert overlap(frozenset(), source) == 0.0
