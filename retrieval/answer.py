@@ -55,9 +55,9 @@ class AnswerOptions:
     max_source_chars: int = 1200
     #: a source supports a sentence with both similarity and overlap (see serving.citations;
     #: calibrated on SmolLM2's answers to the Python FAQ: benchmarks/answer.py, usefulness)
-    threshold: float = 0.4
+    threshold: float = 0.3
     marker_threshold: float = 0.3
-    min_overlap: float = 0.7
+    min_overlap: float = 0.65
     max_question_chars: int = 2000
     max_k: int = 20
     #: the style of a request that names none

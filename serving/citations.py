@@ -201,10 +201,10 @@ def attribute(
     answer: str,
     sources: list[Source],
     embedder: Embeds,
-    threshold: float = 0.4,
+    threshold: float = 0.3,
     marker_threshold: float = 0.3,
     source_vectors: np.ndarray | None = None,
-    min_overlap: float = 0.7,
+    min_overlap: float = 0.65,
 ) -> Attribution:
     blocks = split_blocks(answer)
     sentences = [sentence for block in blocks for sentence in block]
