@@ -79,6 +79,14 @@ class _Copy:
             self.rows = tail.n
 
 
+class _Slot:
+    """Where a view's copy is made once: its lock is held while the copy is made."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.copy: _Copy | None = None
+
+
 def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
@@ -93,8 +101,9 @@ class KeywordCopies:
         self._root = root
         self._work: Path | None = None
         self._dirs = threading.Lock()
-        self._copies: weakref.WeakKeyDictionary[TailLog, dict[str, _Copy]] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
+        self._copies: weakref.WeakKeyDictionary[TailLog, dict[str, _Slot]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()  # held only to look up slots: a copy is made under its slot's lock
+        self._making = 0  # copies being made (prepare deletes no pristine directory meanwhile)
         self._checked: set[Path] = set()  # pristine directories verified by this process
 
     @property
@@ -114,12 +123,24 @@ class KeywordCopies:
             return self._work
 
     def copy_for(self, reader: IndexReader, tail: TailState) -> _Copy:
-        """The working copy for this view, made on first use and brought up to ``tail``."""
+        """The working copy for this view, made on first use and brought up to ``tail``. Making
+        one (an ``as_of`` view of an older version fetches its files) blocks only the queries
+        of that view, not those of others."""
         build = reader.manifest.build_id
         with self._lock:
-            found = self._copies.setdefault(tail.log, {}).get(build)
-            if found is None:
-                found = self._copies[tail.log][build] = self._make(reader)
+            slot = self._copies.setdefault(tail.log, {}).setdefault(build, _Slot())
+        found = slot.copy
+        if found is None:
+            with slot.lock:
+                found = slot.copy
+                if found is None:
+                    with self._lock:
+                        self._making += 1
+                    try:
+                        found = slot.copy = self._make(reader)
+                    finally:
+                        with self._lock:
+                            self._making -= 1
         found.sync(tail)
         return found
 
@@ -127,9 +148,9 @@ class KeywordCopies:
         """Bring this view's copy up to ``tail`` if it exists (the tail's thread calls this after
         each commit, so a query rarely pays for the new rows)."""
         with self._lock:
-            found = self._copies.get(tail.log, {}).get(reader.manifest.build_id)
-        if found is not None:
-            found.sync(tail)
+            slot = self._copies.get(tail.log, {}).get(reader.manifest.build_id)
+        if slot is not None and slot.copy is not None:
+            slot.copy.sync(tail)
 
     def prepare(self, reader: IndexReader) -> None:
         """Fetch the served version's keyword files ahead of its first query, and delete other
@@ -138,7 +159,9 @@ class KeywordCopies:
         if not reader.manifest.keyword:
             return
         keep = fetch_pristine(reader.store, reader.manifest.keyword, self.root, self._checked)
-        with self._lock:  # copies are made under it: none is linking files from what goes
+        with self._lock:
+            if self._making:  # a copy may be linking files from what would go: the next version deletes them
+                return
             for old in self.root.glob("pristine-*"):
                 if old != keep:
                     self._checked.discard(old)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import tantivy
@@ -34,6 +36,7 @@ from retrieval.cache import ShardCache
 from retrieval.engine import SearchEngine
 from retrieval.errors import SearchError
 from retrieval.filters import MetadataFilter
+from retrieval.keyword import KeywordCopies
 from retrieval.views import EngineOptions
 from serving.fake_embedder import FakeEmbedder
 from tests.retrieval.lakes import Doc, DocLake
@@ -403,3 +406,43 @@ def test_a_keyword_query_opens_only_the_shards_of_its_results(tmp_path: Path, ra
     opened = len(view.reader.source._shards)  # type: ignore[attr-defined]
     assert shards >= 10 and len(result.results) == 3 and 1 <= opened <= 3
     assert docs[1].chunk_id not in ids(engine.search("note", k=100, mode="keyword"))
+
+
+def test_making_one_views_copy_does_not_block_another_views_queries(tmp_path: Path) -> None:
+    """An ``as_of`` view of an older version fetches that version's keyword files: live
+    queries must not wait for it (nor for each other), and one view's copy is made once."""
+    copies = KeywordCopies(tmp_path)
+    release = threading.Event()
+    made: list[str] = []
+
+    class Stub:
+        def __init__(self, build: str) -> None:
+            self.manifest = SimpleNamespace(build_id=build)
+
+        def sync(self, tail: object) -> None:
+            pass
+
+    def make(reader: Stub) -> Stub:
+        made.append(reader.manifest.build_id)
+        if reader.manifest.build_id == "old":
+            assert release.wait(30)
+        return reader
+
+    copies._make = make  # type: ignore[assignment,method-assign]
+
+    class Log:  # a tail log: any object a weak reference can hold
+        pass
+
+    log = Log()
+    tail = SimpleNamespace(log=log, n=0)
+    old = threading.Thread(target=copies.copy_for, args=(Stub("old"), tail))
+    twin = threading.Thread(target=copies.copy_for, args=(Stub("old"), tail))
+    old.start()
+    twin.start()
+    copies.copy_for(Stub("new"), tail)  # type: ignore[arg-type]
+    assert "new" in made and old.is_alive()  # made while "old" was being made
+    copies.prepare(SimpleNamespace(manifest=SimpleNamespace(keyword=[])))  # type: ignore[arg-type]
+    release.set()
+    old.join(30)
+    twin.join(30)
+    assert sorted(made) == ["new", "old"]  # the twin waited for the first "old" copy
