@@ -1,7 +1,8 @@
 """Extractive answers: the sentences of the caller's sources that best answer the question.
 
 No generator: each candidate is a verbatim span of a source's chunk text (a sentence or a
-list item of its prose: headings and code are not quoted alone), scored by the embedding
+list item of its prose: headings, code, tables and the lead-ins that only point at what follows, "like this::",
+are not quoted alone), scored by the embedding
 similarity of the span to the question, plus a share of its whole source's similarity (a
 sentence means more in a passage about the question). The best span is kept, and up to ``limit`` - 1 more that
 score within ``window`` of it and repeat none already kept, in reading order (by source,
@@ -86,6 +87,10 @@ def _split_titles(text: str, lines: list[tuple[int, int]]) -> list[list[tuple[in
 
 
 _UNDERLINE = re.compile(r"[=\-~^*+#\"':.]{3,}")
+#: a sentence that only points at what follows it (code, a list)
+_LEAD_IN = re.compile(r"\b(?:this|these|follows|following|below|example|e\.g\.)\s*::?$", re.I)
+#: a table's border: ``+----+---+`` (reST grid), ``==== ====`` (reST simple), ``|---|---|`` (Markdown)
+_TABLE = re.compile(r"^\s*(\+[-=+]{2,}|={2,}( +={2,})+\s*$|\|[-:| ]{3,}\|\s*$)")
 _FENCE = "```"
 
 
@@ -127,6 +132,8 @@ def _kind(text: str, lines: list[tuple[int, int]], literal: bool) -> str:
         return "code"
     if first.startswith(".. "):
         return "markup"  # a reST directive, label or comment
+    if _TABLE.match(first) or all(_TABLE.match(text[a:b]) or text[a:b].lstrip().startswith("|") for a, b in lines):
+        return "table"  # a reST grid or simple table, a Markdown table: cells, not sentences
     if first.lstrip().startswith("#") and len(lines) == 1:
         return "heading"
     if _is_underline(text, lines[-1]) or (len(lines) == 1 and _is_underline(text, lines[0])):
@@ -192,6 +199,8 @@ def extract(
         for span in sentence_spans(text):
             if span.kind != "text" or not min_chars <= span.end - span.start <= max_chars:
                 continue
+            if _LEAD_IN.search(text, span.start, span.end):
+                continue  # "defined like this::" says nothing without what follows
             candidates.append((at, n, span))
     if not candidates:
         return []

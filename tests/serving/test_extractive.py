@@ -91,3 +91,42 @@ def test_rest_titles_literal_blocks_and_doctests_are_not_prose() -> None:
     embedder = FakeEmbedder(dim=64)
     found = extract(embedder.embed(["why are default values shared between objects"])[0], [(1, REST)], embedder)
     assert found and all(e.text == REST[e.start : e.end] and not e.text.startswith(("Why are", ">>>")) for e in found)
+
+
+TABLES = """Each table below maps a name to its meaning.
+
++--------+----------------------+
+| Name   | Meaning              |
++========+======================+
+| ``?``  | a ternary operator   |
++--------+----------------------+
+
+=====  =====
+A      B
+=====  =====
+
+| Name | Meaning |
+|------|---------|
+| x    | the x   |
+
+Static and class methods are defined like this::
+
+    class C:
+        @staticmethod
+        def f(): ...
+
+Merge them into an iterator of tuples and sort it::
+
+    sorted(zip(a, b))
+"""
+
+
+def test_tables_and_lead_ins_are_not_quoted_alone() -> None:
+    kinds = [(s.kind, TABLES[s.start : s.end].split("\n")[0]) for s in sentence_spans(TABLES)]
+    assert [k for k, _ in kinds] == ["text", "table", "table", "table", "text", "code", "text", "code"], kinds
+    embedder = FakeEmbedder(dim=64)
+    question = embedder.embed(["how are static and class methods defined like this"])[0]
+    quoted = [e.text for e in extract(question, [(1, TABLES)], embedder, limit=5, window=2.0)]
+    # a lead-in that only points at what follows is left out; one that says something is kept
+    assert "Merge them into an iterator of tuples and sort it::" in quoted
+    assert not any("like this" in q or "|" in q or "+--" in q or "=====" in q for q in quoted), quoted
