@@ -61,7 +61,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks.pydocs import EmbeddedCorpus, embedded_pydocs
-from indexing.distributed import LocalPartitions, RayData, start_ray
+from indexing.distributed import LocalPartitions, RayData, start_ray, stop_ray
 from indexing.ivf import BuildOptions, build_index, build_shard, choose_nlist, plan_shards, train_centroids
 from indexing.kmeans import nearest, partial_sums, train_kmeans
 from indexing.manifest import Manifest, publish, put_file
@@ -161,9 +161,7 @@ def bench_build(x: np.ndarray, nlist: int, iters: int, work: Path, executors: li
             manifest = build_index(snap, store.root, ObjectStoreSettings(), opts)
             publish(store, manifest)
             if executor == "ray":
-                import ray
-
-                ray.shutdown()
+                stop_ray()
             ours_runs.append((executor, time.perf_counter() - t0, mem, manifest))
     with PeakRSS() as ref_mem:
         t0 = time.perf_counter()
@@ -210,9 +208,7 @@ def bench_scale(n: int, dim: int, nlist: int, iters: int, work: Path, executors:
             opts = BuildOptions(nlist, iters, progress=False, executor=executor, ray_dir=str(work / "ray"))
             manifest = build_index(snap, store.root, ObjectStoreSettings(), opts)
             elapsed = time.perf_counter() - t0
-            ray = sys.modules.get("ray")
-            if ray is not None and ray.is_initialized():
-                ray.shutdown()
+            stop_ray()
         st = manifest.stats
         # in-process, the one process holds every partition (and the harness: subtracted)
         partition = n * dim * 4 / (st["partitions"] if executor == "ray" else 1)
@@ -275,9 +271,7 @@ def bench_incremental(x: np.ndarray, nlist: int, iters: int, work: Path, queries
         t0 = time.perf_counter()
         manifest = build_index(plan(lake), store.root, ObjectStoreSettings(), o)
         elapsed = time.perf_counter() - t0
-        ray = sys.modules.get("ray")
-        if ray is not None and ray.is_initialized():
-            ray.shutdown()
+        stop_ray()
         return elapsed, manifest
 
     full_s, full = timed(opts)

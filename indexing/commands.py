@@ -7,7 +7,6 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 import tempfile
 import time
 from typing import Any
@@ -197,6 +196,7 @@ def _build_once(config: IndexBuildSettings, as_json: bool) -> int:
 
 
 def _build(config: IndexBuildSettings) -> dict[str, Any]:
+    from indexing.distributed import stop_ray
     from indexing.ivf import BuildOptions, build_index
     from indexing.manifest import collect_garbage, latest_version, publish
     from indexing.snapshot import plan
@@ -232,9 +232,7 @@ def _build(config: IndexBuildSettings) -> dict[str, Any]:
         try:
             manifest = build_index(snap, store.root, settings, dataclasses.replace(opts, ray_dir=tmp))
         finally:
-            ray = sys.modules.get("ray")
-            if ray is not None and ray.is_initialized():
-                ray.shutdown()
+            stop_ray()
     version = publish(store, manifest)
     deleted = collect_garbage(store, config.keep, config.gc_grace) if config.keep else []
     summary = {

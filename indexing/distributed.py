@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -58,6 +59,14 @@ def start_ray(address: str | None = None, work_dir: Path | None = None, num_cpus
         work_dir.mkdir(parents=True, exist_ok=True)
         kwargs["_temp_dir"] = str(work_dir)
     ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kwargs)
+
+
+def stop_ray() -> None:
+    """Shut Ray down if this process started or joined it (without importing Ray otherwise:
+    a build that never needed it does not pay for the import)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def _shard_actor() -> Any:
