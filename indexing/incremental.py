@@ -32,7 +32,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -205,25 +204,17 @@ def build_incremental(
         "%d dead rows, %d bytes written", prev.version, len(changes.touched), base_version, changes.count,
         stats["dead_rows"], stats["written_bytes"],
     )  # fmt: skip
-    return Manifest(
-        version=0,
-        build_id=build_id,
-        created_at=datetime.now(UTC).isoformat(),
-        lake_uri=snap.lake.uri,
-        lake_version=snap.version,
-        model=snap.model,
-        dim=snap.dim,
+    return Manifest.of_snapshot(
+        snap,
+        build_id,
         metric=prev.metric,
         nlist=prev.nlist,
-        count=snap.count,
         centroids=prev.centroids,
         shards=[*shards, *delta],
         stats=stats,
-        writer_seqs=snap.writer_seqs,
         codec=prev.codec,
         format_version=INCREMENTAL_FORMAT_VERSION,
         base_version=base_version,
         base_writer_seqs=base_seqs,
-        untagged_rows=snap.untagged_rows,
         keyword=prev.keyword,  # the base's; replicas add the delta rows (indexing.keyword)
     )

@@ -460,24 +460,16 @@ def build_index(
         executor=executor,
         written_bytes=sum(written.values()),
     )
-    return Manifest(
-        version=0,
-        build_id=build_id,
-        created_at=datetime.now(UTC).isoformat(),
-        lake_uri=snap.lake.uri,
-        lake_version=snap.version,
-        model=snap.model,
-        dim=snap.dim,
+    return Manifest.of_snapshot(
+        snap,
+        build_id,
         metric=METRIC,
         nlist=len(centroids),
-        count=snap.count,
         centroids=centroids_ref,
         shards=shards,
         stats=stats,
-        writer_seqs=snap.writer_seqs,
         codec=opts.codec,
         format_version=FORMAT_VERSION if opts.codec == "flat" else RANGED_FORMAT_VERSION,
         base_writer_seqs=snap.writer_seqs,
-        untagged_rows=snap.untagged_rows,
         keyword=keyword,
     )

@@ -134,6 +134,14 @@ class Manifest:
     #: base's); empty for versions built before keyword indexes existed
     keyword: list[FileRef] = field(default_factory=list)
 
+    @classmethod
+    def of_snapshot(cls, snap: Any, build_id: str, **build: Any) -> Manifest:
+        """A new manifest (version 0 until published) of a lake snapshot
+        (``indexing.snapshot.Snapshot``): what the snapshot says, and the build's own ``build`` fields."""
+        return cls(version=0, build_id=build_id, created_at=datetime.now(UTC).isoformat(), lake_uri=snap.lake.uri,
+                   lake_version=snap.version, model=snap.model, dim=snap.dim, count=snap.count,
+                   writer_seqs=snap.writer_seqs, untagged_rows=snap.untagged_rows, **build)  # fmt: skip
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
 
