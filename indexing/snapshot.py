@@ -55,9 +55,11 @@ class Snapshot:
     writer_seqs: dict[str, int] = field(default_factory=dict)
     #: rows (of any op) without a writer tag: older lakes' rows, invisible to ``writer_seqs``
     untagged_rows: int = 0
-    #: (chunk_id, writer, writer_seq) of every row, and (chunk_id, _file, _row) of the live ones
+    #: (chunk_id, writer, writer_seq) of every row, and (chunk_id, _file, _row) of the live ones;
+    #: ``_file`` numbers the data files of ``_paths`` (4 bytes a row, not a path string a row)
     _meta: pa.Table | None = field(default=None, repr=False, compare=False)
     _live: pa.Table | None = field(default=None, repr=False, compare=False)
+    _paths: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def changes_since(self, writer_seqs: dict[str, int]) -> Changes:
         """The chunks with rows committed after the snapshot that ``writer_seqs`` describes
@@ -69,7 +71,7 @@ class Snapshot:
             after = after | ((writer == name) & (pc.field("writer_seq") > seq))
         touched = pc.unique(self._meta.filter(after & writer.is_valid()).column("chunk_id"))
         live = self._live.filter(pc.is_in(self._live.column("chunk_id"), touched))
-        return Changes(pa.chunked_array([touched]), _by_file(live), live.num_rows)
+        return Changes(pa.chunked_array([touched]), _by_file(live, self._paths), live.num_rows)
 
     def restricted(self, files: tuple[FileRows, ...]) -> Snapshot:
         """The same snapshot, reading only ``files``' rows (a delta for builders)."""
@@ -101,12 +103,14 @@ def plan(lake: Lake, version: int | None = None) -> Snapshot:
     table = lake.table(CHUNKS, version)
     dataset = table.to_pyarrow_dataset()
     pieces = []
+    paths: list[str] = []
     for fragment in dataset.get_fragments():
         meta = as_chunks_types(
             fragment.to_table(columns=["chunk_id", "position", "ingest_time", "op", "model", "writer", "writer_seq"])
         )
         n = meta.num_rows
-        meta = meta.append_column("_file", pa.array([fragment.path] * n, pa.string()))
+        meta = meta.append_column("_file", pa.array(np.full(n, len(paths), dtype=np.int32)))
+        paths.append(fragment.path)
         pieces.append(meta.append_column("_row", pa.array(np.arange(n, dtype=np.int64))))
     if not pieces:
         raise LakeError(f"the lake at {lake.uri} has no chunks at version {table.version()}; ingest first.")
@@ -124,9 +128,9 @@ def plan(lake: Lake, version: int | None = None) -> Snapshot:
     model = str(models.pop())
     dim = int(model.rsplit("/", 1)[1])
     return Snapshot(
-        lake, table.version(), model, dim, live.num_rows, _by_file(live), writer_seqs(meta),
+        lake, table.version(), model, dim, live.num_rows, _by_file(live, tuple(paths)), writer_seqs(meta),
         meta.num_rows - pc.count(meta.column("writer")).as_py(),
-        meta.select(["chunk_id", "writer", "writer_seq"]), live.select(["chunk_id", "_file", "_row"]),
+        meta.select(["chunk_id", "writer", "writer_seq"]), live.select(["chunk_id", "_file", "_row"]), tuple(paths),
     )  # fmt: skip
 
 
@@ -144,11 +148,20 @@ def as_chunks_types(table: pa.Table) -> pa.Table:
     return table if target == table.schema else table.cast(target)
 
 
-def _by_file(live: pa.Table) -> tuple[FileRows, ...]:
-    by_file: dict[str, list[int]] = {}
-    for path, row in zip(live.column("_file").to_pylist(), live.column("_row").to_pylist(), strict=True):
-        by_file.setdefault(path, []).append(int(row))
-    return tuple(FileRows(p, tuple(sorted(r))) for p, r in sorted(by_file.items()))
+def _by_file(live: pa.Table, paths: tuple[str, ...]) -> tuple[FileRows, ...]:
+    """The live rows grouped by data file (files by path, rows in order)."""
+    if live.num_rows == 0:
+        return ()
+    files = live.column("_file").to_numpy()
+    rows = live.column("_row").to_numpy()
+    order = np.lexsort((rows, files))
+    files, rows = files[order], rows[order]
+    cuts = np.flatnonzero(np.diff(files)) + 1
+    grouped = [
+        FileRows(paths[int(f[0])], tuple(r.tolist()))
+        for f, r in zip(np.split(files, cuts), np.split(rows, cuts), strict=True)
+    ]
+    return tuple(sorted(grouped, key=lambda f: f.path))
 
 
 def writer_seqs(rows: pa.Table) -> dict[str, int]:
