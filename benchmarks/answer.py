@@ -26,8 +26,11 @@ Sections
   ``--dump``, attributed again by the current ``serving.citations`` (no generation: the same
   answers), at the service's defaults and over a grid of similarity and overlap thresholds;
   the grid is chosen on even-numbered questions (most sentences attributed where the 90%
-  lower bound of citation precision is >= 0.8) and reported on the odd-numbered ones. This is how AnswerOptions'
-  thresholds were calibrated.
+  lower bound of citation precision is >= 0.8) and reported on the odd-numbered ones. This
+  is how AnswerOptions' thresholds were calibrated:
+
+      .venv/bin/python benchmarks/answer.py --only usefulness --styles generate --corpus faq --dump answers.jsonl
+      .venv/bin/python benchmarks/answer.py --corpus faq --rejudge answers.jsonl
 - overhead: the audit log's cost on /v1/answer p50 (target <= 5%): two services, audit
   on and off, on the same index, both answered by a fixed-reply generator (so the
   generator's own variance does not drown the difference), requests interleaved.
@@ -250,7 +253,7 @@ def bench_usefulness(
     """Each style on every FAQ question: do answers cite the gold answer, are the citations right
     (``dump``: every answer, with its sources' texts, one JSON line each, for calibrating attribution)."""
     http = httpx.Client(timeout=300)
-    dumped = dump.open("w") if dump else None
+    dumped = dump.open("w", buffering=1) if dump else None  # line-buffered: a killed run keeps what it wrote
     rng = random.Random(3)
     shown = set(rng.sample(range(len(qs)), min(show, len(qs))))
     for style in styles:
