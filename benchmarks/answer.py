@@ -342,15 +342,18 @@ def bench_rejudge(dump: Path, corpus_texts: list[str], gold: dict[str, set[int]]
     from serving.prompt import Source
     from serving.st_embedder import SentenceTransformerEmbedder
 
-    embedder = SentenceTransformerEmbedder(device="cpu")
-    memo: dict[str, Any] = {}
-
     class Memo:  # the grid re-attributes the same sentences: embed each once
+        def __init__(self) -> None:
+            self.embedder = SentenceTransformerEmbedder(device="cpu")
+            self.vectors: dict[str, Any] = {}
+
         def embed(self, texts: list[str]) -> Any:
-            missing = [t for t in dict.fromkeys(texts) if t not in memo]
+            missing = [t for t in dict.fromkeys(texts) if t not in self.vectors]
             if missing:
-                memo.update(zip(missing, embedder.embed(missing), strict=True))
-            return np.stack([memo[t] for t in texts])
+                self.vectors.update(zip(missing, self.embedder.embed(missing), strict=True))
+            return np.stack([self.vectors[t] for t in texts])
+
+    cached = Memo()
 
     options = AnswerOptions()
     answers = [json.loads(line) for line in dump.open()]
@@ -361,7 +364,7 @@ def bench_rejudge(dump: Path, corpus_texts: list[str], gold: dict[str, set[int]]
         rows = {s["n"]: int(s["chunk_id"][1:]) for s in body["sources"]}
         sources = [Source(n, s.get("title") or "", clip(corpus_texts[rows[n]], options.max_source_chars))
                    for n, s in zip(rows, body["sources"], strict=True)]  # fmt: skip
-        vectors = Memo().embed([corpus_texts[rows[n]] for n in rows])
+        vectors = cached.embed([corpus_texts[rows[n]] for n in rows])
         prepared.append((a["question"], body["raw_answer"], sources, vectors, rows))
 
     def run(threshold: float, min_overlap: float, part: int | None) -> dict[str, Any]:
@@ -371,7 +374,7 @@ def bench_rejudge(dump: Path, corpus_texts: list[str], gold: dict[str, set[int]]
         for i, (question, raw, sources, vectors, rows) in enumerate(prepared):
             if part is not None and i % 2 != part:
                 continue
-            found = attribute(raw, sources, Memo(), threshold, options.marker_threshold, vectors, min_overlap)
+            found = attribute(raw, sources, cached, threshold, options.marker_threshold, vectors, min_overlap)
             for s in found.sentences:
                 sentences += 1
                 attributed += bool(s.sources)
