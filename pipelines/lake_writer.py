@@ -16,8 +16,13 @@ are still before those rows, and a crash then would replay them once more (found
 killing a 2-process job five times at random moments).
 
 deltalake accepts a commit whose app version was already used, so the writer checks
-``transaction_version(app_id)`` before each commit: a mismatch means a second writer
-with the same app id, and the writer stops rather than corrupt the table.
+before each commit that nobody else committed as its app id: a second writer with the
+same app id makes it stop rather than corrupt the table. deltalake's
+``transaction_version`` answers that by reading every log entry since the last checkpoint
+(up to 100 GETs per commit on S3), so the writer reads it once at start and then only
+the commits that landed since its own last one, by their commit info (every streamrag
+commit names its writer and seq there); a commit it cannot vouch for that way sends it
+back to ``transaction_version``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ from serving.retry import attempts, retrying
 log = logging.getLogger(__name__)
 
 Identity = tuple[object, ...]
+
+
+#: Delta operations that never carry an app transaction
+_NO_APP_TXN = frozenset({"OPTIMIZE", "VACUUM START", "VACUUM END"})
 
 
 class ConcurrentWriterError(RuntimeError):
@@ -78,6 +87,7 @@ class LakeWriter:
         self._skip = self._committed_after(horizon) if committed > horizon else set()
         self._horizon = horizon
         self.seq = committed
+        self._seen = self._dt.version()  # the log up to here holds no commit of ours after ``seq``
         if self._skip:
             log.info("%s: %d rows committed after the snapshot will be skipped on replay", app_id, len(self._skip))
 
@@ -141,8 +151,7 @@ class LakeWriter:
             sleep=self._sleep,
         ):
             with attempt:
-                self._dt.update_incremental()
-                landed = self._dt.transaction_version(self.app_id) or 0
+                landed = self._landed()
                 if attempt.retry_state.attempt_number > 1 and landed == seq:
                     break  # our earlier attempt committed, then failed to answer
                 if landed != self.seq:
@@ -153,9 +162,23 @@ class LakeWriter:
                 write_deltalake(self._dt, rows, mode="append", commit_properties=props)
         metrics.COMMIT_SECONDS.labels(self.table_name).observe(time.perf_counter() - started)
         self.seq = seq
+        self._seen = self._dt.version()
         if self.compact_every and seq % self.compact_every == 0:
             self.maintain()
         return rows
+
+    def _landed(self) -> int:
+        """This app id's last committed seq, from the commits since the last one we saw."""
+        self._dt.update_incremental()
+        now = self._dt.version()
+        if now == self._seen:
+            return self.seq
+        new = [c for c in self._dt.history(now - self._seen + 1) if self._seen < c.get("version", -1) <= now]
+        covered = {c["version"] for c in new} == set(range(self._seen + 1, now + 1))
+        if not covered or not all("streamrag.writer" in c or c.get("operation") in _NO_APP_TXN for c in new):
+            return self._dt.transaction_version(self.app_id) or 0  # a commit we cannot vouch for
+        mine = [int(c["streamrag.seq"]) for c in new if c.get("streamrag.writer") == self.app_id]
+        return max(mine, default=self.seq)
 
     def maintain(self) -> None:
         """Compact small files and checkpoint; failures are logged, never fatal."""

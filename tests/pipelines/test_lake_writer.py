@@ -85,6 +85,45 @@ def test_two_live_writers_with_one_app_id_are_refused(lake: Lake) -> None:
         second.write(letters(2))
 
 
+def test_a_writer_reads_only_the_commits_since_its_last_one(lake: Lake, monkeypatch) -> None:
+    """deltalake's ``transaction_version`` reads the whole log since the last checkpoint
+    (up to 100 GETs on S3): the writer asks it once, at start, not per commit; other
+    writers' and compaction commits in between are read by their commit info."""
+    from deltalake import DeltaTable
+
+    asked = {"n": 0}
+    real = DeltaTable.transaction_version
+
+    def counted(self: DeltaTable, app_id: str) -> int | None:
+        asked["n"] += 1
+        return real(self, app_id)
+
+    monkeypatch.setattr(DeltaTable, "transaction_version", counted)
+    a, b = LakeWriter(lake, DEAD_LETTERS, "a", None), LakeWriter(lake, DEAD_LETTERS, "b", None)
+    assert asked["n"] == 2
+    for i in range(0, 40, 2):
+        a.write(letters(i))
+        b.write(letters(i + 1))
+    lake.table(DEAD_LETTERS).optimize.compact()
+    a.write(letters(100))
+    assert asked["n"] == 2 and offsets(lake) == [*range(40), 100] and (a.seq, b.seq) == (21, 20)
+
+
+def test_a_foreign_commit_with_this_app_id_is_found_without_commit_info(lake: Lake) -> None:
+    """A commit that names no streamrag writer (another tool, an older version) sends the
+    writer back to the exact answer, which sees the app id taken."""
+    from deltalake import CommitProperties, Transaction, write_deltalake
+
+    w = LakeWriter(lake, DEAD_LETTERS, "a", None)
+    w.write(letters(1))
+    other = lake.table(DEAD_LETTERS)
+    write_deltalake(other, letters(2), mode="append",
+                    commit_properties=CommitProperties(app_transactions=[Transaction("a", 2)]))  # fmt: skip
+    with pytest.raises(ConcurrentWriterError, match="two jobs share one lake writer id"):
+        w.write(letters(3))
+    assert offsets(lake) == [1, 2]
+
+
 def test_recovery_state_from_another_lake_is_refused(lake: Lake) -> None:
     with pytest.raises(ConcurrentWriterError, match="belongs to another lake"):
         LakeWriter(lake, CHUNKS, "a", 5)
