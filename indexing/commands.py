@@ -1,4 +1,4 @@
-"""CLI: ``streamrag index build``."""
+"""CLI: ``streamrag index build`` and ``streamrag lake maintain``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 from typing import Any
@@ -242,3 +243,95 @@ def _build(config: IndexBuildSettings) -> dict[str, Any]:
         "stats": manifest.stats,
     }  # fmt: skip
     return summary
+
+
+def add_lake_commands(sub: Any) -> None:
+    """``streamrag lake maintain``. It lives beside ``index``: what it may delete depends on
+    the index versions that are kept (``indexing.maintain``)."""
+    from indexing.maintain import DEFAULT_RETENTION_HOURS, MIN_RETENTION_HOURS
+
+    lake = sub.add_parser("lake", help="keep the lake healthy: compaction, checkpoints, vacuum")
+    lsub = lake.add_subparsers(dest="lake_command", required=True)
+    p = lsub.add_parser(
+        "maintain",
+        help="compact small files, checkpoint and vacuum, keeping every file a kept index version or as_of needs",
+        description="Run it from cron (or with --every) beside the streaming job; the job does no maintenance itself.",
+    )
+    p.add_argument("--lake", required=True, metavar="URI")
+    p.add_argument(
+        "--index",
+        action="append",
+        default=[],
+        metavar="URI",
+        help="an index store built from this lake (repeat for several): vacuum keeps every file its oldest kept "
+        "version and the commits after it name",
+    )
+    p.add_argument(
+        "--no-index",
+        action="store_true",
+        help="no index is built from this lake: only --retention-hours protects files (else --index is required)",
+    )
+    p.add_argument(
+        "--retention-hours",
+        type=float,
+        default=DEFAULT_RETENTION_HOURS,
+        help=f"keep files removed less than this long ago: as_of promises, the audit period "
+        f"({DEFAULT_RETENTION_HOURS:g}; at least {MIN_RETENTION_HOURS:g})",
+    )
+    p.add_argument("--dry-run", action="store_true", help="compact nothing; report what vacuum would delete")
+    p.add_argument("--every", type=float, metavar="SECONDS", help="keep maintaining: a round every SECONDS")
+    p.add_argument("--json", action="store_true", help="one JSON line per round")
+    p.set_defaults(func=cmd_lake_maintain)
+
+
+def cmd_lake_maintain(args: argparse.Namespace) -> int:
+    from indexing.maintain import MaintainError, maintain_lake
+    from pipelines.lake import Lake
+
+    if not args.index and not args.no_index:
+        print(
+            "error: give --index URI for every index store built from this lake (vacuum must keep what their "
+            "versions read), or --no-index if there is none.",
+            file=sys.stderr,
+        )
+        return 2
+    if args.index and args.no_index:
+        print("error: --index and --no-index contradict each other.", file=sys.stderr)
+        return 2
+    lake = Lake.at(args.lake, ObjectStoreSettings.from_env())
+    while True:
+        status = 0
+        try:
+            protection, reports = maintain_lake(lake, args.index, args.retention_hours, args.dry_run)
+            status = 1 if any(r.errors for r in reports) else 0
+            _print_maintenance(protection, reports, args.json, args.dry_run)
+        except MaintainError:
+            raise
+        except Exception as exc:
+            if args.every is None:
+                raise
+            log.error("lake maintenance failed (retrying in %.0f s): %s", args.every, exc)
+        if args.every is None:
+            return status
+        time.sleep(args.every)
+
+
+def _print_maintenance(protection: Any, reports: list[Any], as_json: bool, dry_run: bool) -> None:
+    if as_json:
+        print(json.dumps({"dry_run": dry_run, "protected": dataclasses.asdict(protection),
+                          "tables": [dataclasses.asdict(r) for r in reports]}, default=str), flush=True)  # fmt: skip
+        return
+    if protection.lake_version is not None:
+        print(f"keeping every chunks file removed after lake version {protection.lake_version} "
+              f"({protection.since:%Y-%m-%d %H:%M:%S} UTC; oldest kept index versions: "
+              f"{', '.join(f'{u} v{n}' for u, n in protection.index_versions.items())})")  # fmt: skip
+    for r in reports:
+        verb = "would vacuum" if dry_run else "vacuumed"
+        print(f"{r.table}: {r.files_before} files ({r.bytes_before / 1e6:.1f} MB) -> {r.files_after} "
+              f"({r.bytes_after / 1e6:.1f} MB); compacted {r.files_compacted} into {r.files_written}; "
+              f"{verb} {r.vacuumed} (retention {r.retention_hours:g} h); checkpoint "
+              f"{r.checkpoint_version if r.checkpoint_version is not None else '-'}; log cleanup {r.log_cleanup}; "
+              f"{r.seconds:.1f} s")  # fmt: skip
+        for error in r.errors:
+            print(f"{r.table}: error: {error}", file=sys.stderr)
+    sys.stdout.flush()

@@ -112,7 +112,6 @@ class LakeSink(FixedPartitionedSink[pa.Table, State]):
         self._table = table
         self._writers = settings.writers
         self._job = settings.job_name
-        self._compact_every = settings.compact_every
         self._before_commit = before_commit
         self._notices = notices
 
@@ -123,8 +122,6 @@ class LakeSink(FixedPartitionedSink[pa.Table, State]):
         return int(item_key)
 
     def build_part(self, step_id: str, for_part: str, resume_state: State | None) -> _LakePartition:
-        # Only the first writer compacts, so maintenance never races itself.
-        compact = self._compact_every if for_part.endswith(":000") else 0
         seq, horizon = resume_state if isinstance(resume_state, tuple) else (resume_state, None)
-        writer = LakeWriter(self._lake, self._table, for_part, seq, compact_every=compact, resume_horizon=horizon)
+        writer = LakeWriter(self._lake, self._table, for_part, seq, resume_horizon=horizon)
         return _LakePartition(writer, self._before_commit, self._notices() if self._notices else None)

@@ -64,7 +64,6 @@ class LakeWriter:
         retries: int = 8,
         resume_horizon: int | None = None,
         backoff_s: float = 0.5,
-        compact_every: int = 0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.lake = lake
@@ -73,7 +72,6 @@ class LakeWriter:
         self.identity_cols = IDENTITY[table]
         self.retries = retries
         self.backoff_s = backoff_s
-        self.compact_every = compact_every
         self._sleep = sleep
         self._dt = lake.table(table)
         committed = self._dt.transaction_version(app_id) or 0
@@ -163,8 +161,6 @@ class LakeWriter:
         metrics.COMMIT_SECONDS.labels(self.table_name).observe(time.perf_counter() - started)
         self.seq = seq
         self._seen = self._dt.version()
-        if self.compact_every and seq % self.compact_every == 0:
-            self.maintain()
         return rows
 
     def _landed(self) -> int:
@@ -179,12 +175,3 @@ class LakeWriter:
             return self._dt.transaction_version(self.app_id) or 0  # a commit we cannot vouch for
         mine = [int(c["streamrag.seq"]) for c in new if c.get("streamrag.writer") == self.app_id]
         return max(mine, default=self.seq)
-
-    def maintain(self) -> None:
-        """Compact small files and checkpoint; failures are logged, never fatal."""
-        try:
-            metrics = self._dt.optimize.compact()
-            self._dt.create_checkpoint()
-            log.info("%s: compacted %s", self.table_name, metrics)
-        except Exception as exc:  # noqa: BLE001 - maintenance is best effort
-            log.warning("%s: compaction failed (%s); will retry later", self.table_name, exc)

@@ -50,7 +50,6 @@ class IngestSettings(BaseSettings):
     vector_cache_size: int = Field(50_000, ge=0)
     dlq_suffix: str = ".dlq"
     notices_topic: str = Field(DEFAULT_NOTICES_TOPIC, pattern=r"^[A-Za-z0-9._-]*$")  # "": no notices
-    compact_every: int = Field(500, ge=0)
     metrics_port: int | None = Field(None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
     kafka_config: dict[str, str] = Field(default_factory=dict, repr=False)  # may hold SASL passwords

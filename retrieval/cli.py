@@ -8,6 +8,7 @@ import os
 import sys
 
 from indexing.commands import add_commands as add_index_commands
+from indexing.commands import add_lake_commands
 from pipelines import secrets
 from pipelines.commands import add_commands as add_pipeline_commands
 from pipelines.settings import SettingsError
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_pipeline_commands(sub)
     add_index_commands(sub)
+    add_lake_commands(sub)
     add_retrieval_commands(sub)
     add_demo_command(sub)
     return parser

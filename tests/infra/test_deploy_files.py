@@ -85,8 +85,8 @@ def test_every_yaml_and_json_file_parses() -> None:
 
 def test_every_streamrag_command_parses_with_the_real_cli() -> None:
     commands = streamrag_commands()
-    kinds = {tuple(argv[:2]) if argv[0] == "index" else (argv[0],) for _, argv in commands}
-    assert kinds == {("ingest",), ("index", "build"), ("serve",)}, kinds
+    kinds = {tuple(argv[:2]) if argv[0] in ("index", "lake") else (argv[0],) for _, argv in commands}
+    assert kinds == {("ingest",), ("index", "build"), ("lake", "maintain"), ("serve",)}, kinds
     parser = build_parser()
     for where, argv in commands:
         concrete = [VAR.sub(lambda m: "0" if "INDEX" in (m.group(1) or m.group(2)) else "x", a) for a in argv]

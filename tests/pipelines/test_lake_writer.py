@@ -150,17 +150,6 @@ def test_a_failed_commit_is_retried_and_an_ambiguous_one_not_duplicated(lake: La
     assert offsets(lake) == [1, 2] and w.seq == 1 and calls["n"] == 2
 
 
-def test_compaction_keeps_rows_and_writer_tags(lake: Lake) -> None:
-    w = LakeWriter(lake, DEAD_LETTERS, "a", None, compact_every=5)
-    for i in range(10):
-        w.write(letters(i))
-    assert offsets(lake) == list(range(10))
-    files = lake.table(DEAD_LETTERS).file_uris()
-    assert len(files) < 10
-    resumed = LakeWriter(lake, DEAD_LETTERS, "a", 7)
-    assert resumed.write(letters(8, 9, 10)).column("offset").to_pylist() == [10]
-
-
 def test_many_small_commits_get_checkpoints(lake: Lake) -> None:
     w = LakeWriter(lake, DEAD_LETTERS, "a", None)
     for i in range(105):
