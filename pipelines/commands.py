@@ -84,6 +84,13 @@ def add_commands(sub: Any) -> None:
         "--notices-topic",
         help="Kafka topic announcing each lake commit to serving replicas (streamrag.commits; '' for none)",
     )
+    p.add_argument(
+        "--deleted-state-retention-hours",
+        type=float,
+        help="drop a deleted document's state this long after its delete, and never before the source topics' "
+        "retention (read from the broker) has passed: no event older than the delete can arrive then "
+        "(192; 0: keep forever)",
+    )
     p.add_argument("--chunk-max-tokens", type=int, help="chunk size budget in tokens (200)")
     add_openlineage_arg(p)
     p.set_defaults(func=cmd_ingest)

@@ -41,6 +41,9 @@ class DocState:
     chunks: dict[str, tuple[int, str]] = field(default_factory=dict)
     #: the metadata JSON of the live version (a class default: states pickled before it existed load)
     metadata: str | None = None
+    #: when a deleted document's state was made (wall clock, ms): it expires a retention later
+    #: (``pipelines.flow._DocLogic``)
+    deleted_at_ms: int | None = None
 
 
 def metadata_json(event: ChangeEvent) -> str | None:

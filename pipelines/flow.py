@@ -6,19 +6,22 @@ Run it with ``streamrag ingest`` or ``python -m bytewax.run "pipelines.flow:buil
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
 import time
 import zlib
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from functools import cached_property, partial
 from typing import TypeGuard, cast
 
 import bytewax.operators as op
 import pyarrow as pa
 from bytewax.connectors.kafka import KafkaSourceMessage
-from bytewax.dataflow import Dataflow, Stream
+from bytewax.dataflow import Dataflow, Stream, operator
 from bytewax.inputs import Source
+from bytewax.operators import KeyedStream, StatefulLogic
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
 
 from pipelines import metrics
@@ -27,7 +30,14 @@ from pipelines.chunking import Chunker
 from pipelines.debezium import decode
 from pipelines.docstate import DocState, apply_change
 from pipelines.embedding import BatchEmbedder, dead_letter_rows
-from pipelines.kafka_io import DeadLetterProducer, IdleStoppingKafkaSource, SourceItem, kafka_coordinates
+from pipelines.kafka_io import (
+    DeadLetterProducer,
+    IdleStoppingKafkaSource,
+    KafkaIOError,
+    SourceItem,
+    kafka_coordinates,
+    topic_retention_s,
+)
 from pipelines.lake import CHUNKS, DEAD_LETTERS, Lake, check_model
 from pipelines.lake_sink import LakeSink
 from pipelines.mapping import MappingConfig
@@ -48,6 +58,9 @@ class Runtime:
             self.__dict__["embedder"] = embedder  # fills the cached property
         self.mappings = MappingConfig.load(settings.mapping_file)
         self.lake = Lake.at(settings.lake, settings.object_store())
+        #: seconds a deleted document's state is kept (None: forever); see ``deleted_state_retention``
+        hours = settings.deleted_state_retention_hours
+        self.state_retention_s: float | None = hours * 3600 if hours else None
 
     @cached_property
     def embedder(self) -> Embedder:
@@ -101,6 +114,83 @@ class Runtime:
         return f"{zlib.crc32(name.encode()) % self.settings.writers:03d}"
 
 
+class _DocLogic(StatefulLogic[ChangeEvent, DocUpdate, DocState]):
+    """One document's state; a deleted document's is dropped ``retention_s`` after its delete.
+
+    The state of a deleted document only serves to refuse a change older than the delete
+    (a duplicate or a late event). Kept forever, it grows with every document ever deleted.
+    Once the source topics no longer hold any event older than the delete (their retention,
+    see ``pipelines.kafka_io.topic_retention_s``), no such event can arrive, and the state
+    goes. (A change *newer* than the delete is a re-insert: it is applied, state or not.)
+    """
+
+    def __init__(self, rt: Runtime, state: DocState | None) -> None:
+        self._rt = rt
+        self.state = state
+        if state is not None and not state.live and state.deleted_at_ms is None:
+            state.deleted_at_ms = int(time.time() * 1000)  # from an older recovery directory: count from now
+
+    def on_item(self, value: ChangeEvent) -> tuple[list[DocUpdate], bool]:
+        state, updates = self._rt.apply(self.state, value)
+        if state is not None and not state.live and state.deleted_at_ms is None:
+            state.deleted_at_ms = int(time.time() * 1000)
+        self.state = state
+        return updates, state is None
+
+    def on_notify(self) -> tuple[list[DocUpdate], bool]:
+        due = self.notify_at()
+        if due is not None and datetime.now(UTC) >= due:
+            metrics.EXPIRED_STATES.inc()
+            return [], StatefulLogic.DISCARD
+        return [], StatefulLogic.RETAIN
+
+    def notify_at(self) -> datetime | None:
+        retention = self._rt.state_retention_s
+        state = self.state
+        if retention is None or state is None or state.live or state.deleted_at_ms is None:
+            return None
+        return datetime.fromtimestamp(state.deleted_at_ms / 1000 + retention, UTC)
+
+    def snapshot(self) -> DocState:
+        assert self.state is not None
+        return copy.deepcopy(self.state)
+
+
+@operator
+def apply_to_doc(step_id: str, up: KeyedStream[ChangeEvent], rt: Runtime) -> KeyedStream[DocUpdate]:
+    """``stateful_flat_map`` of ``Runtime.apply`` with deleted documents' state expiring. The
+    inner step keeps ``stateful_flat_map``'s name, so recovery directories written before
+    it resume."""
+    return op.stateful("stateful", up, partial(_DocLogic, rt))
+
+
+#: a message may outlive its topic's retention by a cleaner run or a late segment deletion
+TOPIC_RETENTION_MARGIN_S = 3600.0
+
+
+def deleted_state_retention(settings: IngestSettings) -> float | None:
+    """Seconds to keep a deleted document's state (None: forever): the configured retention,
+    raised to the source topics' own retention (plus a margin) when they keep messages longer."""
+    hours = settings.deleted_state_retention_hours
+    if not hours:
+        return None
+    wanted = hours * 3600
+    try:
+        topics = topic_retention_s(settings.bootstrap, settings.topics, settings.kafka_config)
+    except KafkaIOError as exc:
+        log.warning("%s; deleted documents' state is dropped %.0f h after the delete: the source topics must not "
+                    "keep messages longer (--deleted-state-retention-hours)", exc, hours)  # fmt: skip
+        return wanted
+    if math.isinf(topics):
+        log.info("the source topics keep messages forever: so does the job keep deleted documents' state")
+        return None
+    if topics + TOPIC_RETENTION_MARGIN_S > wanted:
+        log.info("the source topics keep messages up to %.0f h: deleted documents' state is kept that long plus %.0f h",
+                 topics / 3600, TOPIC_RETENTION_MARGIN_S / 3600)  # fmt: skip
+        return topics + TOPIC_RETENTION_MARGIN_S
+    return wanted
+
+
 def is_change(item: ChangeEvent | DeadLetter) -> TypeGuard[ChangeEvent]:
     return isinstance(item, ChangeEvent)
 
@@ -120,6 +210,7 @@ def build_flow(
     rt = Runtime(settings, embedder)
     batch_timeout = timedelta(milliseconds=settings.batch_timeout_ms)
     if source is None:
+        rt.state_retention_s = deleted_state_retention(settings)
         source = IdleStoppingKafkaSource(
             brokers=[settings.bootstrap],
             topics=settings.topics,
@@ -136,7 +227,7 @@ def build_flow(
     decoded: Stream[ChangeEvent | DeadLetter] = op.filter_map("decode", msgs, rt.decode)  # ChangeEvent | DeadLetter
     split = op.branch("split-dead-letters", decoded, is_change)
     by_doc = op.key_on("key-by-doc", split.trues, lambda e: e.doc_id)  # (doc_id, ChangeEvent)
-    updates = op.stateful_flat_map("apply-to-doc", by_doc, rt.apply)  # (doc_id, DocUpdate)
+    updates = apply_to_doc("apply-to-doc", by_doc, rt)  # (doc_id, DocUpdate)
     by_writer = op.key_on(
         "key-by-writer", op.key_rm("drop-doc-key", updates), lambda u: rt.writer_key(u.doc_id)
     )  # (writer, DocUpdate)

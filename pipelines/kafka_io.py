@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -208,3 +209,38 @@ def produce_file(bootstrap: str, topic: str, path: Path, config: dict[str, str] 
         batch.send(topic, key=key, value=value)
     batch.wait(60, "messages", "nothing was lost silently; produce the file again")
     return batch.sent
+
+
+#: Kafka's "no limit" for ``max.compaction.lag.ms``
+_LONG_MAX = 2**63 - 1
+
+
+def topic_retention_s(bootstrap: str, topics: list[str], config: dict[str, str] | None = None) -> float:
+    """How long the longest-keeping of these topics may still hold a message, in seconds
+    (``math.inf``: forever), from the broker's topic configs.
+
+    A ``delete`` policy drops a message's segment once the segment's newest message is
+    past ``retention.ms`` (-1: never), and a segment closes after ``segment.ms``. A compact-only
+    topic drops an old message only once the cleaner has run over it, which
+    ``max.compaction.lag.ms`` bounds (unbounded by default). Raises ``KafkaIOError`` when the
+    broker does not say.
+    """
+    from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, **(config or {})})
+    resources = [ConfigResource(ResourceType.TOPIC, t) for t in topics]
+    longest = 0.0
+    try:
+        for future in admin.describe_configs(resources, request_timeout=10).values():
+            entries = {k: v.value for k, v in future.result(timeout=15).items()}
+            policy = entries.get("cleanup.policy") or "delete"
+            if "delete" in policy:  # a segment goes whole, once its newest message is past retention
+                ms = int(entries.get("retention.ms") or -1)
+                bound = math.inf if ms < 0 else (ms + int(entries.get("segment.ms") or 0)) / 1000
+            else:
+                ms = int(entries.get("max.compaction.lag.ms") or _LONG_MAX)
+                bound = math.inf if ms >= _LONG_MAX else ms / 1000
+            longest = max(longest, bound)
+    except Exception as exc:
+        raise KafkaIOError(f"the broker did not describe topics {topics}: {exc}") from exc
+    return longest

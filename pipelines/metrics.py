@@ -40,3 +40,7 @@ NOTICE_DELAY = Histogram(
     "Lake commit to its notice reaching a serving replica",
     buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+EXPIRED_STATES = Counter(
+    "streamrag_ingest_deleted_states_expired_total",
+    "Deleted documents whose state was dropped after the retention (--deleted-state-retention-hours)",
+)

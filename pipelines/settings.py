@@ -50,6 +50,9 @@ class IngestSettings(BaseSettings):
     vector_cache_size: int = Field(50_000, ge=0)
     dlq_suffix: str = ".dlq"
     notices_topic: str = Field(DEFAULT_NOTICES_TOPIC, pattern=r"^[A-Za-z0-9._-]*$")  # "": no notices
+    #: a deleted document's state is dropped this long after its delete, and never before the
+    #: source topics' own retention has passed (0: keep it forever)
+    deleted_state_retention_hours: float = Field(192.0, ge=0)
     metrics_port: int | None = Field(None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
     kafka_config: dict[str, str] = Field(default_factory=dict, repr=False)  # may hold SASL passwords
