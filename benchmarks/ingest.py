@@ -15,6 +15,10 @@ Sections
   processes) and event-to-commit lag p50/p99 (source ts_ms to the Delta commit's time).
 - precision: bf16 and int8 vs fp32 embedding on this CPU, short and long texts: speed-up
   and cosine agreement (int8 target: >= 2x at cosine >= 0.99).
+- maintenance: a stream's small files (--commits commits by two writers, one file each,
+  as the job writes them) and what they cost readers, before and after ``lake maintain``:
+  files, opening the table, reading the current chunks, an index build's snapshot plan;
+  on a local lake and on S3 (moto on loopback). Target: small files down >= 10x.
 """
 
 from __future__ import annotations
@@ -341,17 +345,86 @@ def bench_precision(embedder: SentenceTransformerEmbedder, int8: Embedder | None
             )
 
 
+def bench_maintenance(work: Path, commits: int, rows_per_commit: int = 8) -> None:
+    import boto3
+
+    from benchmarks.retrieval import start_moto
+    from indexing.maintain import maintain_lake
+    from indexing.snapshot import plan
+    from pipelines.lake_writer import LakeWriter
+    from pipelines.storage import ObjectStoreSettings
+    from tests.indexing.lakes import chunk_rows
+
+    rng = np.random.default_rng(5)
+    for store in ("local", "s3"):
+        moto = None
+        if store == "s3":
+            moto, env = start_moto(work)
+            os.environ.update(env)
+            boto3.client("s3").create_bucket(Bucket="maintain")
+            uri = "s3://maintain/lake"
+        else:
+            uri = str(work / "maintain-lake")
+        try:
+            lake = Lake.at(uri, ObjectStoreSettings.from_env())
+            lake.ensure_tables(2)
+            writers = [LakeWriter(lake, CHUNKS, f"bench:chunks:{i:03d}", None) for i in range(2)]
+            t0 = time.perf_counter()
+            for c in range(commits):
+                x = rng.standard_normal((rows_per_commit, 384)).astype(np.float32)
+                writers[c % 2].write(chunk_rows(x, start=c * rows_per_commit))
+            write_s = time.perf_counter() - t0
+
+            def readers(lake: Lake = lake) -> dict[str, float]:
+                t0 = time.perf_counter()
+                table = lake.table(CHUNKS)
+                opened = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                live = current_chunks(lake, columns=["chunk_id", "embedding"]).num_rows
+                read = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                plan(lake)
+                planned = time.perf_counter() - t0
+                return {"files": len(table.file_uris()), "open_ms": round(opened * 1000, 1),
+                        "read_current_ms": round(read * 1000, 1), "index_plan_ms": round(planned * 1000, 1),
+                        "live_chunks": live}  # fmt: skip
+
+            before = readers()
+            t0 = time.perf_counter()
+            _, reports = maintain_lake(lake, [], retention_hours=1)
+            maintain_s = time.perf_counter() - t0
+            after = readers()
+            chunks = next(r for r in reports if r.table == CHUNKS)
+            emit(bench="lake_maintenance", store=store, commits=commits, rows_per_commit=rows_per_commit,
+                 write_commits_per_s=round(commits / write_s, 1), before=before, after=after,
+                 maintain_s=round(maintain_s, 2), compacted=chunks.files_compacted, written=chunks.files_written,
+                 files_ratio=round(before["files"] / max(1, after["files"]), 1),
+                 target="small files down >= 10x")  # fmt: skip
+        finally:
+            if moto is not None:
+                moto.terminate()
+                moto.wait(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["throughput", "incremental", "stream", "precision"], action="append")
+    parser.add_argument(
+        "--only", choices=["throughput", "incremental", "stream", "precision", "maintenance"], action="append"
+    )
     parser.add_argument("--docs", type=int, default=500, help="documents for the throughput section")
     parser.add_argument("--no-int8", action="store_true", help="leave the int8 embedder out of throughput/precision")
     parser.add_argument("--update-docs", type=int, default=60)
     parser.add_argument("--updates", type=int, default=150)
     parser.add_argument("--stream-docs", type=int, default=10_000)
     parser.add_argument("--stream-rate", type=float, default=40.0, help="events/s fed to the stream section")
+    parser.add_argument("--commits", type=int, default=2000, help="commits for the maintenance section")
     args = parser.parse_args()
-    sections = set(args.only or ["throughput", "incremental", "stream", "precision"])
+    sections = set(args.only or ["throughput", "incremental", "stream", "precision", "maintenance"])
+    if sections == {"maintenance"}:  # needs neither the broker nor a model
+        with tempfile.TemporaryDirectory(prefix="streamrag-bench-") as tmp:
+            bench_maintenance(Path(tmp), args.commits)
+        sys.stdout.flush()
+        os._exit(0)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     port = free_port()
     broker = start_broker(port)
@@ -369,6 +442,8 @@ def main() -> None:
                 bench_precision(embedder, int8, 400)
             if "stream" in sections:
                 bench_stream(bootstrap, work, args.stream_docs, args.stream_rate)
+            if "maintenance" in sections:
+                bench_maintenance(work, args.commits)
     finally:
         broker.terminate()
         broker.wait(10)
