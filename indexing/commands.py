@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -248,7 +249,7 @@ def _build(config: IndexBuildSettings) -> dict[str, Any]:
 def add_lake_commands(sub: Any) -> None:
     """``streamrag lake maintain``. It lives beside ``index``: what it may delete depends on
     the index versions that are kept (``indexing.maintain``)."""
-    from indexing.maintain import DEFAULT_RETENTION_HOURS, MIN_RETENTION_HOURS
+    from indexing.maintain import DEFAULT_RETENTION_HOURS, DEFAULT_TARGET_MB, MIN_RETENTION_HOURS
 
     lake = sub.add_parser("lake", help="keep the lake healthy: compaction, checkpoints, vacuum")
     lsub = lake.add_subparsers(dest="lake_command", required=True)
@@ -279,7 +280,26 @@ def add_lake_commands(sub: Any) -> None:
         f"({DEFAULT_RETENTION_HOURS:g}; at least {MIN_RETENTION_HOURS:g})",
     )
     p.add_argument("--dry-run", action="store_true", help="compact nothing; report what vacuum would delete")
-    p.add_argument("--every", type=float, metavar="SECONDS", help="keep maintaining: a round every SECONDS")
+    p.add_argument(
+        "--target-file-mb",
+        type=float,
+        default=DEFAULT_TARGET_MB,
+        help=f"compact small files into files of up to this size; larger ones are left alone ({DEFAULT_TARGET_MB:g})",
+    )
+    p.add_argument(
+        "--every",
+        type=float,
+        metavar="SECONDS",
+        help="keep maintaining: compaction and a checkpoint every SECONDS (60 is a good pace: each commit of the "
+        "stream costs time in proportion to the files in the table), vacuum every --vacuum-every",
+    )
+    p.add_argument(
+        "--vacuum-every",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="with --every: vacuum and clean up the log at most this often (3600)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line per round")
     p.set_defaults(func=cmd_lake_maintain)
 
@@ -299,10 +319,15 @@ def cmd_lake_maintain(args: argparse.Namespace) -> int:
         print("error: --index and --no-index contradict each other.", file=sys.stderr)
         return 2
     lake = Lake.at(args.lake, ObjectStoreSettings.from_env())
+    vacuumed_at = -math.inf
     while True:
         status = 0
+        vacuum = args.every is None or time.monotonic() - vacuumed_at >= args.vacuum_every
         try:
-            protection, reports = maintain_lake(lake, args.index, args.retention_hours, args.dry_run)
+            protection, reports = maintain_lake(lake, args.index, args.retention_hours, args.dry_run,
+                                                vacuum=vacuum, target_mb=args.target_file_mb)  # fmt: skip
+            if vacuum:
+                vacuumed_at = time.monotonic()
             status = 1 if any(r.errors for r in reports) else 0
             _print_maintenance(protection, reports, args.json, args.dry_run)
         except MaintainError:

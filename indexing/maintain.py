@@ -5,9 +5,14 @@ busy stream. Compacting inline stalled the dataflow for the length of a rewrite,
 nothing ever deleted the small files that compaction replaced. This job does both, from
 cron or in a loop (``--every``), while the stream and the replicas go on:
 
-1. **Compaction** (``optimize.compact``) rewrites small files into large ones, with
-   ``dataChange: false``: a replica's tail skips such commits, an index build reads the
-   same rows, and the streaming writers' blind appends never conflict with it.
+1. **Compaction** (``optimize.compact``) rewrites small files into files of up to
+   ``target_mb`` (32), with ``dataChange: false``: a replica's tail skips such commits, an
+   index build reads the same rows, and the streaming writers' blind appends never conflict
+   with it. Run it often (``--every 60``): in deltalake 1.6 every commit costs time in
+   proportion to the files in the table (measured: 31 ms per commit at 200 files, 145 ms
+   at 1,000), so small files slow the stream's commits, and with them freshness. Files
+   that reached ``target_mb`` are never rewritten again, which bounds the rewriting a
+   frequent compaction does.
 2. **A checkpoint**, so that opening the table reads one Parquet file instead of every
    commit since the last one.
 3. **Vacuum**: files that compaction replaced are deleted only when nothing still promises
@@ -50,6 +55,8 @@ ANSWERS = "answers"
 TABLES = (CHUNKS, DEAD_LETTERS, ANSWERS)
 
 MIN_RETENTION_HOURS = 1.0
+#: compacted files are made up to this size; larger ones are never rewritten
+DEFAULT_TARGET_MB = 32.0
 DEFAULT_RETENTION_HOURS = 168.0
 #: writers' clocks may disagree by this much (a file's removal time is its writer's clock)
 CLOCK_MARGIN = timedelta(hours=1)
@@ -152,8 +159,10 @@ def maintain_table(
     dry_run: bool = False,
     now: Callable[[], datetime] = lambda: datetime.now(UTC),
     attempts: int = 3,
+    vacuum: bool = True,
+    target_mb: float = DEFAULT_TARGET_MB,
 ) -> TableReport:
-    """Compact, checkpoint and vacuum one table; errors are reported, not raised."""
+    """Compact, checkpoint and (``vacuum``) vacuum one table; errors are reported, not raised."""
     started = time.perf_counter()
     report = TableReport(name)
     try:
@@ -165,7 +174,7 @@ def maintain_table(
     if not dry_run:
         for attempt in range(1, attempts + 1):
             try:
-                metrics = table.optimize.compact()
+                metrics = table.optimize.compact(target_size=int(target_mb * (1 << 20)))
                 report.files_compacted += int(metrics.get("numFilesRemoved", 0))
                 report.files_written += int(metrics.get("numFilesAdded", 0))
                 break
@@ -184,14 +193,15 @@ def maintain_table(
     if protect_since is not None:
         hours = max(hours, (now() - protect_since + CLOCK_MARGIN).total_seconds() / 3600)
     report.retention_hours = round(hours, 3)
-    try:
-        doomed = table.vacuum(
-            retention_hours=int(hours) + (hours % 1 > 0), dry_run=dry_run, enforce_retention_duration=False
-        )
-        report.vacuumed = len(doomed)
-    except Exception as exc:  # noqa: BLE001
-        report.errors.append(f"vacuum: {exc}")
-    if not dry_run:
+    if vacuum:
+        try:
+            doomed = table.vacuum(
+                retention_hours=int(hours) + (hours % 1 > 0), dry_run=dry_run, enforce_retention_duration=False
+            )
+            report.vacuumed = len(doomed)
+        except Exception as exc:  # noqa: BLE001
+            report.errors.append(f"vacuum: {exc}")
+    if vacuum and not dry_run:
         keep_log = log_retention(table)
         if protect_since is not None and now() - protect_since + CLOCK_MARGIN >= keep_log:
             report.log_cleanup = f"skipped: the oldest kept index version is older than the log retention ({keep_log})"
@@ -201,7 +211,7 @@ def maintain_table(
                 report.log_cleanup = f"done (log retention {keep_log})"
             except Exception as exc:  # noqa: BLE001
                 report.errors.append(f"log cleanup: {exc}")
-        table.update_incremental()
+    table.update_incremental()
     report.files_after, report.bytes_after = _files(table)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
@@ -213,7 +223,11 @@ def maintain_lake(
     retention_hours: float = DEFAULT_RETENTION_HOURS,
     dry_run: bool = False,
     tables: tuple[str, ...] = TABLES,
+    vacuum: bool = True,
+    target_mb: float = DEFAULT_TARGET_MB,
 ) -> tuple[Protection, list[TableReport]]:
+    """Maintain every table of the lake; ``vacuum`` False: compaction and checkpoints only
+    (``--every`` rounds between vacuums)."""
     if retention_hours < MIN_RETENTION_HOURS:
         raise MaintainError(
             f"--retention-hours must be at least {MIN_RETENTION_HOURS:g}: "
@@ -227,7 +241,7 @@ def maintain_lake(
             DeltaTable(lake.table_uri(name), storage_options=lake.options)
         except TableNotFoundError:
             continue  # e.g. no answers table: the service never answered
-        report = maintain_table(lake, name, retention_hours, since, dry_run)
+        report = maintain_table(lake, name, retention_hours, since, dry_run, vacuum=vacuum, target_mb=target_mb)
         log.info("lake maintain %s: %s", name, asdict(report))
         reports.append(report)
     return protection, reports
