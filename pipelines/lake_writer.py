@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import pyarrow as pa
 import pyarrow.dataset as ds
-from deltalake import CommitProperties, Transaction, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from pipelines import metrics
 from pipelines.lake import IDENTITY, Lake
@@ -137,7 +137,7 @@ class LakeWriter:
             rows = rows.set_column(rows.schema.get_field_index(name), name, values)
         props = CommitProperties(
             app_transactions=[Transaction(self.app_id, seq)],
-            custom_metadata={"streamrag.writer": self.app_id, "streamrag.seq": str(seq)},
+            custom_metadata=app_metadata(self.app_id, seq),
         )
         started = time.perf_counter()
         for attempt in retrying(
@@ -165,13 +165,27 @@ class LakeWriter:
 
     def _landed(self) -> int:
         """This app id's last committed seq, from the commits since the last one we saw."""
-        self._dt.update_incremental()
-        now = self._dt.version()
-        if now == self._seen:
-            return self.seq
-        new = [c for c in self._dt.history(now - self._seen + 1) if self._seen < c.get("version", -1) <= now]
-        covered = {c["version"] for c in new} == set(range(self._seen + 1, now + 1))
-        if not covered or not all("streamrag.writer" in c or c.get("operation") in _NO_APP_TXN for c in new):
-            return self._dt.transaction_version(self.app_id) or 0  # a commit we cannot vouch for
-        mine = [int(c["streamrag.seq"]) for c in new if c.get("streamrag.writer") == self.app_id]
-        return max(mine, default=self.seq)
+        return landed_seq(self._dt, self.app_id, self._seen, self.seq)
+
+
+def app_metadata(app_id: str, seq: int) -> dict[str, str]:
+    """The commit info that lets ``landed_seq`` read a commit's writer without its actions."""
+    return {"streamrag.writer": app_id, "streamrag.seq": str(seq)}
+
+
+def landed_seq(table: DeltaTable, app_id: str, seen: int, seq: int) -> int:
+    """``app_id``'s last committed app-transaction seq, given that it was ``seq`` at table
+    version ``seen``: ``table`` is brought up to date and only the commits since ``seen``
+    are read, by their commit info (``app_metadata``). A commit that names no writer
+    (another tool, an older version) sends it back to deltalake's ``transaction_version``,
+    which reads every log entry since the last checkpoint."""
+    table.update_incremental()
+    now = table.version()
+    if now == seen:
+        return seq
+    new = [c for c in table.history(now - seen + 1) if seen < c.get("version", -1) <= now]
+    covered = {c["version"] for c in new} == set(range(seen + 1, now + 1))
+    if not covered or not all("streamrag.writer" in c or c.get("operation") in _NO_APP_TXN for c in new):
+        return table.transaction_version(app_id) or 0
+    mine = [int(c["streamrag.seq"]) for c in new if c.get("streamrag.writer") == app_id]
+    return max(mine, default=seq)

@@ -36,6 +36,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import SchemaMismatchError
 
 from pipelines.lake import Lake, add_missing_columns
+from pipelines.lake_writer import app_metadata, landed_seq
 from retrieval import metrics
 from serving.retry import RetryCallState, retrying, stop_when
 
@@ -153,6 +154,7 @@ class AuditLog:
         self._thread: threading.Thread | None = None
         self._table: DeltaTable | None = None
         self._seq = 0
+        self._seen: int | None = None  # the answers table's version after our last commit
 
     # -- requests --------------------------------------------------------------------------
 
@@ -308,15 +310,19 @@ class AuditLog:
             self._table = DeltaTable(self.lake.table_uri(ANSWERS), storage_options=self.lake.options)
         table = self._table
         seq = self._seq + 1
-        table.update_incremental()
-        if (table.transaction_version(self.app_id) or 0) < seq:  # else: an earlier attempt landed
+        if self._seen is None:
+            self._seen = table.version()  # a new app id: nothing of ours in the log yet
+        if landed_seq(table, self.app_id, self._seen, self._seq) < seq:  # else: an earlier attempt landed
             rows = pa.Table.from_pylist(batch, schema=ANSWERS_SCHEMA)
-            props = CommitProperties(app_transactions=[Transaction(self.app_id, seq)])
+            props = CommitProperties(
+                app_transactions=[Transaction(self.app_id, seq)], custom_metadata=app_metadata(self.app_id, seq)
+            )
             try:
                 write_deltalake(table, rows, mode="append", commit_properties=props)
             except SchemaMismatchError as exc:
                 raise _Poison(str(exc)) from exc
         self._seq = seq
+        self._seen = table.version()
         if self.compact_every and seq % self.compact_every == 0:
             self._maintain(table)
 

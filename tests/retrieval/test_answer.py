@@ -175,6 +175,34 @@ def test_audit_writer_retries_and_never_writes_a_batch_twice(tmp_path: Path, mon
     assert sorted(r["answer_id"] for r in rows) == sorted(ids)
 
 
+def test_audit_commits_do_not_reread_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """deltalake's transaction_version reads every log entry since the last checkpoint: the
+    audit writer reads only the commits since its last one (other replicas' included)."""
+    from deltalake import DeltaTable
+
+    asked = {"n": 0}
+    real = DeltaTable.transaction_version
+
+    def counted(self: DeltaTable, app_id: str) -> int | None:
+        asked["n"] += 1
+        return real(self, app_id)
+
+    monkeypatch.setattr(DeltaTable, "transaction_version", counted)
+    lake = Lake.at(str(tmp_path / "lake"))
+    replicas = [AuditLog(lake, flush_s=0.01) for _ in range(2)]
+    for audit in replicas:
+        audit.start()
+    engine = StubEngine(TEXTS)
+    ids = []
+    for i in range(6):
+        audit = replicas[i % 2]
+        answerer = Answerer(engine, scripted(TEXTS[1], []), audit)  # type: ignore[arg-type]
+        ids.append(answerer.answer(answerer.prepare(f"q{i}", 2, Principal("bob")))["answer_id"])
+        assert audit.flush(10)
+    assert asked["n"] == 0
+    assert sorted(r["answer_id"] for r in audit_rows(replicas[0])) == sorted(ids)
+
+
 def test_answer_keeps_paragraphs_and_code_blocks(audit: AuditLog) -> None:
     reply = f"{TEXTS[1]}\n\n```python\nprint('ice')\n```\n\nMade up closing words here."
     answerer = Answerer(StubEngine(TEXTS), scripted(reply, []), audit)  # type: ignore[arg-type]
