@@ -183,7 +183,14 @@ def landed_seq(table: DeltaTable, app_id: str, seen: int, seq: int) -> int:
     now = table.version()
     if now == seen:
         return seq
-    new = [c for c in table.history(now - seen + 1) if seen < c.get("version", -1) <= now]
+    limit = now - seen + 1
+    history = table.history(limit)
+    # deltalake 1.6 reads history from the newest commit in storage but numbers it from the
+    # table's loaded version: a commit that lands between the update and this call shifts
+    # every label, and shows as more entries than asked for. Then trust nothing.
+    if len(history) != min(limit, now + 1):
+        return table.transaction_version(app_id) or 0
+    new = [c for c in history if seen < c.get("version", -1) <= now]
     covered = {c["version"] for c in new} == set(range(seen + 1, now + 1))
     if not covered or not all("streamrag.writer" in c or c.get("operation") in _NO_APP_TXN for c in new):
         return table.transaction_version(app_id) or 0

@@ -124,6 +124,32 @@ def test_a_foreign_commit_with_this_app_id_is_found_without_commit_info(lake: La
     assert offsets(lake) == [1, 2]
 
 
+def test_a_commit_landing_while_the_writer_reads_history_is_not_misread(lake: Lake, monkeypatch) -> None:
+    """deltalake numbers ``history`` from the loaded version but reads it from the newest
+    commit: a commit that lands in between shifts every label. A foreign commit with this
+    app id just before it must still be found."""
+    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+    from pipelines.lake_writer import app_metadata
+
+    w = LakeWriter(lake, DEAD_LETTERS, "a", None)
+    w.write(letters(1))
+    foreign = CommitProperties(app_transactions=[Transaction("a", 2)], custom_metadata=app_metadata("a", 2))
+    write_deltalake(lake.table(DEAD_LETTERS), letters(2), mode="append", commit_properties=foreign)
+    real = DeltaTable.update_incremental
+
+    def then_another_commit(self: DeltaTable) -> None:
+        real(self)
+        other = CommitProperties(app_transactions=[Transaction("b", 1)], custom_metadata=app_metadata("b", 1))
+        write_deltalake(lake.table(DEAD_LETTERS), letters(3), mode="append", commit_properties=other)
+        monkeypatch.setattr(DeltaTable, "update_incremental", real)
+
+    monkeypatch.setattr(DeltaTable, "update_incremental", then_another_commit)
+    with pytest.raises(ConcurrentWriterError, match="two jobs share one lake writer id"):
+        w.write(letters(4))
+    assert offsets(lake) == [1, 2, 3]
+
+
 def test_recovery_state_from_another_lake_is_refused(lake: Lake) -> None:
     with pytest.raises(ConcurrentWriterError, match="belongs to another lake"):
         LakeWriter(lake, CHUNKS, "a", 5)
