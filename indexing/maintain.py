@@ -13,8 +13,8 @@ cron or in a loop (``--every``), while the stream and the replicas go on:
    at 1,000), so small files slow the stream's commits, and with them freshness. Files
    that reached ``target_mb`` are never rewritten again, which bounds the rewriting a
    frequent compaction does.
-2. **A checkpoint**, so that opening the table reads one Parquet file instead of every
-   commit since the last one.
+2. **A checkpoint** after a compaction, so that opening the table reads one Parquet file
+   instead of every commit since the last one.
 3. **Vacuum**: files that compaction replaced are deleted only when nothing still promises
    to read them. For ``chunks`` that is every file removed after the commit of the
    **oldest kept index version's lake version** (each ``--index`` store is read): an
@@ -183,12 +183,13 @@ def maintain_table(
                 if attempt == attempts:
                     report.errors.append(f"compaction: {exc}")
                 table.update_incremental()
-        try:
-            table.update_incremental()
-            table.create_checkpoint()
-            report.checkpoint_version = table.version()
-        except Exception as exc:  # noqa: BLE001
-            report.errors.append(f"checkpoint: {exc}")
+        if report.files_compacted:  # else nothing to gain: delta-rs checkpoints every 100 commits itself
+            try:
+                table.update_incremental()
+                table.create_checkpoint()
+                report.checkpoint_version = table.version()
+            except Exception as exc:  # noqa: BLE001
+                report.errors.append(f"checkpoint: {exc}")
     hours = max(retention_hours, MIN_RETENTION_HOURS)
     if protect_since is not None:
         hours = max(hours, (now() - protect_since + CLOCK_MARGIN).total_seconds() / 3600)
