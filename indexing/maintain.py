@@ -145,6 +145,11 @@ def log_retention(table: DeltaTable) -> timedelta:
     return timedelta(**{f"{unit}s": n})
 
 
+def _span(span: timedelta) -> str:
+    hours = span.total_seconds() / 3600
+    return f"{hours / 24:g} days" if hours >= 48 else f"{hours:g} h"
+
+
 def _files(table: DeltaTable) -> tuple[int, int]:
     adds = table.get_add_actions(flatten=True)
     sizes = [int(s) for s in adds.column("size_bytes").to_pylist()] if adds.num_rows else []
@@ -205,11 +210,13 @@ def maintain_table(
     if vacuum and not dry_run:
         keep_log = log_retention(table)
         if protect_since is not None and now() - protect_since + CLOCK_MARGIN >= keep_log:
-            report.log_cleanup = f"skipped: the oldest kept index version is older than the log retention ({keep_log})"
+            report.log_cleanup = (
+                f"skipped: the oldest kept index version is older than the log retention ({_span(keep_log)})"
+            )
         else:
             try:
                 table.cleanup_metadata()
-                report.log_cleanup = f"done (log retention {keep_log})"
+                report.log_cleanup = f"done (log retention {_span(keep_log)})"
             except Exception as exc:  # noqa: BLE001
                 report.errors.append(f"log cleanup: {exc}")
     table.update_incremental()
@@ -243,6 +250,6 @@ def maintain_lake(
         except TableNotFoundError:
             continue  # e.g. no answers table: the service never answered
         report = maintain_table(lake, name, retention_hours, since, dry_run, vacuum=vacuum, target_mb=target_mb)
-        log.info("lake maintain %s: %s", name, asdict(report))
+        log.debug("lake maintain %s: %s", name, asdict(report))
         reports.append(report)
     return protection, reports
