@@ -150,3 +150,20 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     yield S3Server(endpoint, env)
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture
+def transaction_version_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts deltalake's ``DeltaTable.transaction_version`` calls (each reads every log entry
+    since the last checkpoint: writers must not make one per commit)."""
+    from deltalake import DeltaTable
+
+    calls = {"n": 0}
+    real = DeltaTable.transaction_version
+
+    def counted(self: DeltaTable, app_id: str) -> int | None:
+        calls["n"] += 1
+        return real(self, app_id)
+
+    monkeypatch.setattr(DeltaTable, "transaction_version", counted)
+    return calls

@@ -85,20 +85,11 @@ def test_two_live_writers_with_one_app_id_are_refused(lake: Lake) -> None:
         second.write(letters(2))
 
 
-def test_a_writer_reads_only_the_commits_since_its_last_one(lake: Lake, monkeypatch) -> None:
+def test_a_writer_reads_only_the_commits_since_its_last_one(lake: Lake, transaction_version_calls) -> None:
     """deltalake's ``transaction_version`` reads the whole log since the last checkpoint
     (up to 100 GETs on S3): the writer asks it once, at start, not per commit; other
     writers' and compaction commits in between are read by their commit info."""
-    from deltalake import DeltaTable
-
-    asked = {"n": 0}
-    real = DeltaTable.transaction_version
-
-    def counted(self: DeltaTable, app_id: str) -> int | None:
-        asked["n"] += 1
-        return real(self, app_id)
-
-    monkeypatch.setattr(DeltaTable, "transaction_version", counted)
+    asked = transaction_version_calls
     a, b = LakeWriter(lake, DEAD_LETTERS, "a", None), LakeWriter(lake, DEAD_LETTERS, "b", None)
     assert asked["n"] == 2
     for i in range(0, 40, 2):

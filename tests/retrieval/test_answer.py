@@ -175,19 +175,10 @@ def test_audit_writer_retries_and_never_writes_a_batch_twice(tmp_path: Path, mon
     assert sorted(r["answer_id"] for r in rows) == sorted(ids)
 
 
-def test_audit_commits_do_not_reread_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_audit_commits_do_not_reread_the_log(tmp_path: Path, transaction_version_calls: dict[str, int]) -> None:
     """deltalake's transaction_version reads every log entry since the last checkpoint: the
     audit writer reads only the commits since its last one (other replicas' included)."""
-    from deltalake import DeltaTable
-
-    asked = {"n": 0}
-    real = DeltaTable.transaction_version
-
-    def counted(self: DeltaTable, app_id: str) -> int | None:
-        asked["n"] += 1
-        return real(self, app_id)
-
-    monkeypatch.setattr(DeltaTable, "transaction_version", counted)
+    asked = transaction_version_calls
     lake = Lake.at(str(tmp_path / "lake"))
     replicas = [AuditLog(lake, flush_s=0.01) for _ in range(2)]
     for audit in replicas:
