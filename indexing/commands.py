@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 import time
+from functools import partial
 from typing import Any
 
 from indexing.manifest import DEFAULT_GC_GRACE_S, latest_version
@@ -256,7 +257,8 @@ def add_lake_commands(sub: Any) -> None:
     p = lsub.add_parser(
         "maintain",
         help="compact small files, checkpoint and vacuum, keeping every file a kept index version or as_of needs",
-        description="Run it from cron (or with --every) beside the streaming job; the job does no maintenance itself.",
+        description="Run it beside the streaming job with --every 60 (or from cron); "
+        "the job does no maintenance itself.",
     )
     p.add_argument("--lake", required=True, metavar="URI")
     p.add_argument(
@@ -305,7 +307,7 @@ def add_lake_commands(sub: Any) -> None:
 
 
 def cmd_lake_maintain(args: argparse.Namespace) -> int:
-    from indexing.maintain import MaintainError, maintain_lake
+    from indexing.maintain import MIN_RETENTION_HOURS, MaintainError, maintain_lake
     from pipelines.lake import Lake
 
     if not args.index and not args.no_index:
@@ -318,14 +320,27 @@ def cmd_lake_maintain(args: argparse.Namespace) -> int:
     if args.index and args.no_index:
         print("error: --index and --no-index contradict each other.", file=sys.stderr)
         return 2
+    if args.retention_hours < MIN_RETENTION_HOURS:
+        print(f"error: --retention-hours must be at least {MIN_RETENTION_HOURS:g}: index builds in progress read "
+              "the files of their snapshot.", file=sys.stderr)  # fmt: skip
+        return 2
     lake = Lake.at(args.lake, ObjectStoreSettings.from_env())
     vacuumed_at = -math.inf
     while True:
         status = 0
         vacuum = args.every is None or time.monotonic() - vacuumed_at >= args.vacuum_every
         try:
-            protection, reports = maintain_lake(lake, args.index, args.retention_hours, args.dry_run,
-                                                vacuum=vacuum, target_mb=args.target_file_mb)  # fmt: skip
+            run = partial(maintain_lake, lake, args.index, args.retention_hours, args.dry_run,
+                          target_mb=args.target_file_mb)  # fmt: skip
+            try:
+                protection, reports = run(vacuum=vacuum)
+            except MaintainError as exc:
+                if args.every is None:
+                    raise
+                # Vacuum cannot run safely (say, an index of another lake): keep compacting, say why.
+                log.error("%s; compacting without vacuum until that is fixed", exc)
+                protection, reports = run(vacuum=False)
+                vacuum = False
             if vacuum:
                 vacuumed_at = time.monotonic()
             status = 1 if any(r.errors for r in reports) else 0
@@ -352,9 +367,10 @@ def _print_maintenance(protection: Any, reports: list[Any], as_json: bool, dry_r
               f"{', '.join(f'{u} v{n}' for u, n in protection.index_versions.items())})")  # fmt: skip
     for r in reports:
         verb = "would vacuum" if dry_run else "vacuumed"
+        vacuumed = "no vacuum this round" if r.vacuumed is None else f"{verb} {r.vacuumed}"
         print(f"{r.table}: {r.files_before} files ({r.bytes_before / 1e6:.1f} MB) -> {r.files_after} "
               f"({r.bytes_after / 1e6:.1f} MB); compacted {r.files_compacted} into {r.files_written}; "
-              f"{verb} {r.vacuumed} (retention {r.retention_hours:g} h); checkpoint "
+              f"{vacuumed} (retention {r.retention_hours:g} h); checkpoint "
               f"{r.checkpoint_version if r.checkpoint_version is not None else '-'}; log cleanup {r.log_cleanup}; "
               f"{r.seconds:.1f} s")  # fmt: skip
         for error in r.errors:

@@ -81,7 +81,7 @@ class TableReport:
     files_written: int = 0  # the large files they became
     checkpoint_version: int | None = None
     retention_hours: float = 0.0
-    vacuumed: int = 0  # files deleted (or that would be, with dry_run)
+    vacuumed: int | None = None  # files deleted (or that would be, with dry_run); None: no vacuum this round
     log_cleanup: str = "skipped"
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
@@ -241,7 +241,7 @@ def maintain_lake(
             f"--retention-hours must be at least {MIN_RETENTION_HOURS:g}: "
             "index builds in progress read the files of their snapshot."
         )
-    protection = oldest_index_protection(lake, index_uris)
+    protection = oldest_index_protection(lake, index_uris) if vacuum else Protection()
     reports = []
     for name in tables:
         since = protection.since if name == CHUNKS else None

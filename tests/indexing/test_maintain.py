@@ -125,3 +125,28 @@ def test_the_command_requires_the_indexes_and_reports_what_it_did(tmp_path: Path
     assert (chunks["files_before"], chunks["files_after"], chunks["retention_hours"]) == (5, 1, 168)
     text = cli("--lake", lake.uri, "--no-index")
     assert text.returncode == 0 and "chunks: 1 files" in text.stdout, text.stdout
+
+
+def test_a_loop_that_cannot_vacuum_safely_keeps_compacting(tmp_path: Path) -> None:
+    """--every never crash-loops: an index of another lake stops vacuum, not compaction."""
+    lake, x = synthetic_lake(str(tmp_path / "lake"), n=100, files=1)
+    other, _ = synthetic_lake(str(tmp_path / "other"), n=100, files=1)
+    store = LocalStore(str(tmp_path / "index"))
+    publish(store, build_index(plan(other), store.root, ObjectStoreSettings(), OPTS))
+    small_commits(lake, x, 1000, 4)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "retrieval.cli", "lake", "maintain", "--lake", lake.uri, "--index", store.root,
+         "--every", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(lake.table(CHUNKS).file_uris()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(lake.table(CHUNKS).file_uris()) == 1
+        assert proc.poll() is None, "the loop must go on"
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert "was built from" in err and "compacting without vacuum" in err
+    refused = cli("--lake", lake.uri, "--no-index", "--retention-hours", "0.5")
+    assert refused.returncode == 2 and "at least 1" in refused.stderr
