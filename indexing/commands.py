@@ -307,7 +307,7 @@ def add_lake_commands(sub: Any) -> None:
 
 
 def cmd_lake_maintain(args: argparse.Namespace) -> int:
-    from indexing.maintain import MIN_RETENTION_HOURS, MaintainError, maintain_lake
+    from indexing.maintain import MaintainError, check_retention, maintain_lake
     from pipelines.lake import Lake
 
     if not args.index and not args.no_index:
@@ -320,9 +320,10 @@ def cmd_lake_maintain(args: argparse.Namespace) -> int:
     if args.index and args.no_index:
         print("error: --index and --no-index contradict each other.", file=sys.stderr)
         return 2
-    if args.retention_hours < MIN_RETENTION_HOURS:
-        print(f"error: --retention-hours must be at least {MIN_RETENTION_HOURS:g}: index builds in progress read "
-              "the files of their snapshot.", file=sys.stderr)  # fmt: skip
+    try:
+        check_retention(args.retention_hours)  # once: a loop would only repeat it
+    except MaintainError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     lake = Lake.at(args.lake, ObjectStoreSettings.from_env())
     vacuumed_at = -math.inf

@@ -33,7 +33,6 @@ snapshot's files for longer than that could otherwise lose them.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -42,10 +41,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from deltalake import DeltaTable
-from deltalake.exceptions import TableNotFoundError
 
 from indexing.manifest import load_manifest, versions
-from indexing.store import NotFound, open_store
+from indexing.snapshot import commit_changes
+from indexing.store import open_store
 from pipelines.lake import CHUNKS, DEAD_LETTERS, Lake, LakeError
 
 log = logging.getLogger(__name__)
@@ -118,22 +117,18 @@ def oldest_index_protection(lake: Lake, index_uris: list[str]) -> Protection:
 
 
 def commit_time(lake: Lake, table: str, version: int) -> datetime:
-    """When ``version`` of ``table`` was committed: its commit info's timestamp."""
-    store = open_store(lake.table_uri(table), lake.store)
-    try:
-        raw = store.get(f"_delta_log/{version:020d}.json")
-    except NotFound as exc:
+    """When ``version`` of ``table`` was committed: its commit info's timestamp (one GET)."""
+    changes = commit_changes(open_store(lake.table_uri(table), lake.store), version)
+    if changes is None:
         # Its log entry was cleaned up: a checkpoint holds the state, but not when. Keep
         # everything an hour-floored retention cannot prove unneeded: refuse rather than guess.
         raise MaintainError(
             f"the log entry of lake version {version} (the oldest kept index version's) is gone, so "
             "its commit time is unknown: vacuum would guess. Build a new index and let --keep retire the old one."
-        ) from exc
-    for line in raw.decode().splitlines():
-        info = json.loads(line).get("commitInfo") if line.strip() else None
-        if info and "timestamp" in info:
-            return datetime.fromtimestamp(int(info["timestamp"]) / 1000, UTC)
-    raise MaintainError(f"lake version {version} has no commit timestamp")
+        )
+    if changes.timestamp_ms is None:
+        raise MaintainError(f"lake version {version} has no commit timestamp")
+    return datetime.fromtimestamp(changes.timestamp_ms / 1000, UTC)
 
 
 def log_retention(table: DeltaTable) -> timedelta:
@@ -157,7 +152,7 @@ def _files(table: DeltaTable) -> tuple[int, int]:
 
 
 def maintain_table(
-    lake: Lake,
+    table: DeltaTable,
     name: str,
     retention_hours: float,
     protect_since: datetime | None = None,
@@ -170,11 +165,6 @@ def maintain_table(
     """Compact, checkpoint and (``vacuum``) vacuum one table; errors are reported, not raised."""
     started = time.perf_counter()
     report = TableReport(name)
-    try:
-        table = lake.table(name)
-    except LakeError:
-        report.errors.append("no such table")
-        return report
     report.files_before, report.bytes_before = _files(table)
     if not dry_run:
         for attempt in range(1, attempts + 1):
@@ -225,6 +215,14 @@ def maintain_table(
     return report
 
 
+def check_retention(hours: float) -> None:
+    if hours < MIN_RETENTION_HOURS:
+        raise MaintainError(
+            f"--retention-hours must be at least {MIN_RETENTION_HOURS:g}: "
+            "index builds in progress read the files of their snapshot."
+        )
+
+
 def maintain_lake(
     lake: Lake,
     index_uris: list[str],
@@ -236,20 +234,16 @@ def maintain_lake(
 ) -> tuple[Protection, list[TableReport]]:
     """Maintain every table of the lake; ``vacuum`` False: compaction and checkpoints only
     (``--every`` rounds between vacuums)."""
-    if retention_hours < MIN_RETENTION_HOURS:
-        raise MaintainError(
-            f"--retention-hours must be at least {MIN_RETENTION_HOURS:g}: "
-            "index builds in progress read the files of their snapshot."
-        )
+    check_retention(retention_hours)
     protection = oldest_index_protection(lake, index_uris) if vacuum else Protection()
     reports = []
     for name in tables:
         since = protection.since if name == CHUNKS else None
         try:
-            DeltaTable(lake.table_uri(name), storage_options=lake.options)
-        except TableNotFoundError:
+            table = lake.table(name)
+        except LakeError:
             continue  # e.g. no answers table: the service never answered
-        report = maintain_table(lake, name, retention_hours, since, dry_run, vacuum=vacuum, target_mb=target_mb)
+        report = maintain_table(table, name, retention_hours, since, dry_run, vacuum=vacuum, target_mb=target_mb)
         log.debug("lake maintain %s: %s", name, asdict(report))
         reports.append(report)
     return protection, reports

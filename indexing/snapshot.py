@@ -181,6 +181,7 @@ class CommitChanges:
 
     adds: list[dict[str, Any]]  # the ``add`` actions of files with new data
     removes_data: bool  # whether it removed rows (a DELETE or an overwrite)
+    timestamp_ms: int | None = None  # its commit info's timestamp (None: the writer wrote none)
 
 
 def commit_changes(store: ObjectStore, version: int) -> CommitChanges | None:
@@ -190,17 +191,19 @@ def commit_changes(store: ObjectStore, version: int) -> CommitChanges | None:
         raw = store.get(f"_delta_log/{version:020d}.json")
     except NotFound:
         return None
-    adds, removes = [], False
+    adds, removes, timestamp = [], False, None
     for line in raw.decode().splitlines():
         if not line.strip():
             continue
         action = json.loads(line)
-        add, remove = action.get("add"), action.get("remove")
+        add, remove, info = action.get("add"), action.get("remove"), action.get("commitInfo")
         if add and add.get("dataChange", True):
             adds.append(add)
         if remove and remove.get("dataChange", True):
             removes = True
-    return CommitChanges(adds, removes)
+        if info and "timestamp" in info:
+            timestamp = int(info["timestamp"])
+    return CommitChanges(adds, removes, timestamp)
 
 
 def rows_committed(lake: Lake, after: int, until: int) -> int | None:

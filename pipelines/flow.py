@@ -126,15 +126,11 @@ class _DocLogic(StatefulLogic[ChangeEvent, DocUpdate, DocState]):
 
     def __init__(self, rt: Runtime, state: DocState | None) -> None:
         self._rt = rt
-        self.state = state
-        if state is not None and not state.live and state.deleted_at_ms is None:
-            state.deleted_at_ms = int(time.time() * 1000)  # from an older recovery directory: count from now
+        self.state = _stamped(state)  # a deleted state from an older recovery directory counts from now
 
     def on_item(self, value: ChangeEvent) -> tuple[list[DocUpdate], bool]:
         state, updates = self._rt.apply(self.state, value)
-        if state is not None and not state.live and state.deleted_at_ms is None:
-            state.deleted_at_ms = int(time.time() * 1000)
-        self.state = state
+        self.state = _stamped(state)
         return updates, state is None
 
     def on_notify(self) -> tuple[list[DocUpdate], bool]:
@@ -154,6 +150,13 @@ class _DocLogic(StatefulLogic[ChangeEvent, DocUpdate, DocState]):
     def snapshot(self) -> DocState:
         assert self.state is not None
         return copy.deepcopy(self.state)
+
+
+def _stamped(state: DocState | None) -> DocState | None:
+    """A deleted document's state with the time of its deletion (now, if it has none yet)."""
+    if state is not None and not state.live and state.deleted_at_ms is None:
+        state.deleted_at_ms = int(time.time() * 1000)
+    return state
 
 
 @operator
