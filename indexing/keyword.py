@@ -92,7 +92,7 @@ def schema() -> tantivy.Schema:
     builder.add_text_field("title", tokenizer_name="en_stem", index_option="freq")
     builder.add_text_field("text", tokenizer_name="en_stem", index_option="freq")
     builder.add_text_field("acl", tokenizer_name="raw", index_option="basic")
-    # an index row's chunk id: queries exclude the chunks the tail has superseded by it
+    # an index row's chunk id (older replicas exclude superseded chunks by it: still written for them)
     builder.add_text_field("chunk", tokenizer_name="raw", index_option="basic")
     builder.add_unsigned_field("key", indexed=True, fast=True)
     # the names the chunk defines, each with its module and every dotted suffix (defined_names);
@@ -232,11 +232,10 @@ class KeywordIndex:
         query_terms: list[str],
         groups: frozenset[str],
         limit: int,
-        exclude: Sequence[str] = (),
         names: Sequence[str] = (),
     ) -> list[Match]:
         """The best ``limit`` documents a caller in ``groups`` may see (by their ACL terms) for any
-        of the terms or defined ``names`` (``query_names``), but for index rows of the chunks in ``exclude``."""
+        of the terms or defined ``names`` (``query_names``)."""
         if limit <= 0:
             return []
         searcher = self.searcher
@@ -258,8 +257,6 @@ class KeywordIndex:
             (tantivy.Occur.Must, tantivy.Query.boolean_query(clauses)),
             (tantivy.Occur.Must, tantivy.Query.const_score_query(visible, 0.0)),
         ]
-        if exclude:
-            parts.append((tantivy.Occur.MustNot, tantivy.Query.term_set_query(SCHEMA, "chunk", list(exclude))))
         query = tantivy.Query.boolean_query(parts)
         hits = searcher.search(query, limit, count=False).hits
         keys = searcher.fast_field_values("key", [address for _, address in hits])

@@ -145,7 +145,14 @@ class SearchEngine(Views):
             assert query is not None
             t = time.perf_counter()
             lists["keyword"] = keyword_search(
-                self.keywords, reader, tail, query, depth, principal.groups, allow if where else None, tail_allowed
+                self.keywords,
+                reader,
+                tail,
+                query,
+                depth,
+                principal.groups,
+                allow if where is not None or tail.supersedes_any else None,
+                tail_allowed,
             )
             metrics.SEARCH_SECONDS.labels("keyword").observe(time.perf_counter() - t)
         picked = (

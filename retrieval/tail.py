@@ -321,7 +321,8 @@ class LakeTail:
         self._wake = threading.Event()
         self._notified = base_version  # the newest lake version a commit notice named
         self._thread: threading.Thread | None = None
-        #: called (on the tail's thread) with each new state that holds new rows
+        #: called on the tail's thread with each new state that holds new rows, before queries see it
+        #: (a follower brought up to date here never makes a query wait for it)
         self.on_change: Callable[[TailState], None] | None = None
 
     def notify(self, version: int) -> None:
@@ -343,14 +344,22 @@ class LakeTail:
             )
             if version == state.version:
                 if self._log_cleaned_up(state.version):
-                    self.state = self._from_snapshot(state)
+                    self._publish(self._from_snapshot(state))
                     return True
                 state.log.refresh_index()  # a quiet stream still gets the index trained meanwhile
                 self.state = state.checked()
                 return False
             state.log.append(rows, version)  # the live state is always its log's newest snapshot
-            self.state = state.log.snapshot()
+            self._publish(state.log.snapshot())
             return True
+
+    def _publish(self, state: TailState) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change(state)
+            except Exception:  # a follower's failure must not stop the tail
+                log.exception("a follower of the tail failed")
+        self.state = state
 
     def _read_named(self, after: int) -> tuple[pa.Table, int] | None:
         """The commits notices named after ``after``, without probing for the next one; None if none."""
@@ -425,10 +434,5 @@ class LakeTail:
             metrics.TAIL_ROWS.set(state.live_rows)
             metrics.LAKE_VERSION.set(state.version)
             metrics.TAIL_LAG.set(time.monotonic() - state.checked_at)
-            if changed and self.on_change is not None:
-                try:
-                    self.on_change(state)
-                except Exception:  # a follower's failure must not stop the tail
-                    log.exception("a follower of the tail failed")
             if not changed:  # else read on at once: more commits may be waiting
                 self._wake.wait(self.poll_s)
