@@ -197,6 +197,32 @@ def test_a_lost_notice_costs_at_most_one_poll_interval(tmp_path) -> None:
         tail.stop()
 
 
+def test_a_follower_sees_each_new_state_before_queries_do(tmp_path) -> None:
+    """The keyword copy follows the tail this way: a query never finds a state its copy lacks
+    (and never waits for the copy's commit), and a failing follower stops nothing."""
+    from retrieval.tail import LakeTail
+    from serving.fake_embedder import FakeEmbedder
+    from tests.retrieval.lakes import Doc, DocLake
+
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder())
+    base = lake.write([Doc(1, "the first document")])
+    tail = LakeTail(lake.lake, base, 32, poll_s=60)
+    seen: list[tuple[int, int]] = []  # (the state handed over, the state queries had meanwhile)
+
+    def follow(state) -> None:  # type: ignore[no-untyped-def]
+        seen.append((state.version, tail.state.version))
+        if len(seen) == 1:
+            raise RuntimeError("a follower that fails")
+
+    tail.on_change = follow
+    v1 = lake.write([Doc(2, "one")])
+    assert tail.poll() and tail.state.version == v1  # published although its follower failed
+    v2 = lake.write([Doc(3, "two")])
+    assert tail.poll() and tail.state.version == v2
+    assert seen == [(v1, base), (v2, v1)]
+    assert not tail.poll() and len(seen) == 2  # no new rows: nothing to follow
+
+
 def test_log_cleaned_up_past_the_tail_is_rebuilt_from_the_snapshot(tmp_path) -> None:
     """A checkpoint plus log cleanup (delta.logRetentionDuration) removes commit files the tail
     has not read: it rebuilds from the table's snapshot by the writers' commit numbers, then
