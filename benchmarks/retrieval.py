@@ -315,20 +315,30 @@ def bench_http(work: Path, seconds: float) -> None:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Prometheus samples at ``url`` by name: unlabelled ones, and the chunks table's."""
+    """Prometheus samples at ``url`` by name: unlabelled ones, the chunks table's, and those
+    labelled by stage (as ``name|stage``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url, timeout=10).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.labels in ({}, {"table": "chunks"})}  # fmt: skip
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels in ({}, {"table": "chunks"}):
+                found[sample.name] = sample.value
+            elif set(sample.labels) == {"stage"}:
+                found[f"{sample.name}|{sample.labels['stage']}"] = sample.value
+    return found
 
 
 def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
     """Mean milliseconds per stage between two scrapes of the ingest job and the service."""
 
-    def mean(name: str) -> float | None:
-        n = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
-        return round((after[f"{name}_sum"] - before.get(f"{name}_sum", 0)) / n * 1000, 1) if n else None
+    def mean(name: str, stage: str = "") -> float | None:
+        count, total = f"{name}_count", f"{name}_sum"
+        if stage:
+            count, total = f"{count}|{stage}", f"{total}|{stage}"
+        n = after.get(count, 0) - before.get(count, 0)
+        return round((after[total] - before.get(total, 0)) / n * 1000, 1) if n else None
 
     return {
         "produce_to_commit_ms": mean("streamrag_ingest_event_to_commit_seconds"),
@@ -336,6 +346,9 @@ def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, 
         "embed_batch_ms": mean("streamrag_ingest_embed_seconds"),
         "commit_batch_ms": mean("streamrag_ingest_commit_seconds"),
         "commit_to_notice_ms": mean("streamrag_commit_notice_delay_seconds"),
+        "notice_to_visible_ms": mean("streamrag_tail_stage_seconds", "notice_to_visible"),
+        "tail_read_ms": mean("streamrag_tail_stage_seconds", "read"),
+        "tail_follow_ms": mean("streamrag_tail_stage_seconds", "follow"),
     }
 
 
@@ -659,7 +672,8 @@ def _freshness(
             # metric from the process that observes it.
             service = scrape(f"{url}/metrics")
             job = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
-            return {**job, **{k: v for k, v in service.items() if k.startswith("streamrag_commit_notice_delay")}}
+            served = ("streamrag_commit_notice_delay", "streamrag_tail_stage")
+            return {**job, **{k: v for k, v in service.items() if k.startswith(served)}}
 
         before = scrape_both()
         ours = changes.run(streamrag_target(url), update_plan("Ours"), list(range(updatable, updatable + n_deletes)))

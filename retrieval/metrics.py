@@ -41,6 +41,14 @@ TAIL_LAG = Gauge(
     "streamrag_tail_lag_seconds", "Staleness of the tail: time since a poll last found it up to date with the lake"
 )
 TAIL_POLL_ERRORS = Counter("streamrag_tail_poll_errors_total", "Failed polls of the lake")
+TAIL_STAGE_SECONDS = Histogram(
+    "streamrag_tail_stage_seconds",
+    "Work per tail update, by stage: read (the new commits from the lake, appended to the tail), "
+    "follow (the keyword copy brought up to it), notice_to_visible (the oldest commit notice not yet "
+    "applied received → every version named so far searchable)",
+    ["stage"],
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+)
 INDEX_VERSION = Gauge("streamrag_index_version", "Index version being served")
 LAKE_VERSION = Gauge("streamrag_lake_version", "Newest lake version the service has read")
 INDEX_SWAPS = Counter("streamrag_index_swaps_total", "Switches to a newly published index version")

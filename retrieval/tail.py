@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 
 from pipelines.caches import LRU
 from pipelines.lake import Lake, embeddings
+from retrieval import metrics
 from retrieval.acl import acl_mask
 from retrieval.delta_log import MAX_COMMITS_PER_POLL, TAIL_SCHEMA, LogReader, TailError, rows_after
 from retrieval.tail_index import EXACT_ALLOWED_ROWS, NEVER, TailIndex
@@ -320,6 +321,7 @@ class LakeTail:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._notified = base_version  # the newest lake version a commit notice named
+        self._notice_at: float | None = None  # when the oldest notice not yet searchable came
         self._thread: threading.Thread | None = None
         #: called on the tail's thread with each new state that holds new rows, before queries see it
         #: (a follower brought up to date here never makes a query wait for it)
@@ -333,11 +335,14 @@ class LakeTail:
         """
         if version > self._notified:
             self._notified = version
+            if self._notice_at is None:
+                self._notice_at = time.monotonic()
         self._wake.set()
 
     def poll(self) -> bool:
         """Read what the lake committed since the last poll; True if the tail changed."""
         with self._lock:
+            started = time.perf_counter()
             state = self.state
             rows, version = self._read_named(state.version) or self.reader.read(
                 state.version, limit=MAX_COMMITS_PER_POLL
@@ -350,16 +355,23 @@ class LakeTail:
                 self.state = state.checked()
                 return False
             state.log.append(rows, version)  # the live state is always its log's newest snapshot
+            metrics.TAIL_STAGE_SECONDS.labels("read").observe(time.perf_counter() - started)
             self._publish(state.log.snapshot())
             return True
 
     def _publish(self, state: TailState) -> None:
         if self.on_change is not None:
+            started = time.perf_counter()
             try:
                 self.on_change(state)
             except Exception:  # a follower's failure must not stop the tail
                 log.exception("a follower of the tail failed")
+            metrics.TAIL_STAGE_SECONDS.labels("follow").observe(time.perf_counter() - started)
         self.state = state
+        noticed = self._notice_at
+        if noticed is not None and state.version >= self._notified:
+            self._notice_at = None
+            metrics.TAIL_STAGE_SECONDS.labels("notice_to_visible").observe(time.monotonic() - noticed)
 
     def _read_named(self, after: int) -> tuple[pa.Table, int] | None:
         """The commits notices named after ``after``, without probing for the next one; None if none."""
@@ -414,8 +426,6 @@ class LakeTail:
             self._thread.join(10)
 
     def _run(self) -> None:
-        from retrieval import metrics
-
         while not self._stop.is_set():
             self._wake.clear()  # before reading: a notice that comes during the read wakes the next wait
             try:
