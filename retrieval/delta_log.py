@@ -72,10 +72,11 @@ class LogReader:
         if "://" in path:
             raise TailError(f"data file {path} is outside the table; absolute paths are not supported.")
         table = pq.read_table(io.BytesIO(self.store.get(path)))
-        table = table.select([n for n in CHUNKS_SCHEMA.names if n in table.column_names])
-        table = table.cast(pa.schema([CHUNKS_SCHEMA.field(n) for n in table.column_names]))
+        present = set(table.schema.names)  # once: ``column_names`` builds a new list at every call
+        table = table.select([n for n in CHUNKS_SCHEMA.names if n in present])
+        table = table.cast(pa.schema([CHUNKS_SCHEMA.field(n) for n in table.schema.names]))
         for column in CHUNKS_SCHEMA:  # files written before a column existed: nulls, one schema for all
-            if column.name not in table.column_names:
+            if column.name not in present:
                 table = table.append_column(column, pa.nulls(table.num_rows, column.type))
         return with_version(table.select(CHUNKS_SCHEMA.names), version)
 
