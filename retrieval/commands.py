@@ -46,6 +46,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--keyword-weight", type=float, help="hybrid: weight of the keyword ranking; dense's is 1 (0.75)")
     p.add_argument(
+        "--keyword-memory-mb",
+        type=int,
+        help="keyword working copies kept in memory (/dev/shm, twice their size counted) while they fit, so that "
+        "adding each fresh update skips the disk's fsync; larger ones stay on disk; 0: all on disk (256)",
+    )
+    p.add_argument(
         "--identifier-weight",
         type=float,
         help="hybrid: the keyword ranking's weight for a query that is an identifier, not a sentence "
@@ -191,6 +197,7 @@ def _engine(config: EngineSettings) -> Any:
         rrf_k=config.rrf_k,
         fusion_depth=config.fusion_depth,
         keyword_dir=str(keyword_dir(config.cache_dir or default_cache_dir())),
+        keyword_memory_bytes=config.keyword_memory_mb << 20,
     )
     embedder = load_embedder(config.model, device=config.device, dtype=config.dtype, cpu_threads=config.cpu_threads)
     return SearchEngine(Lake.at(config.lake, settings), open_store(config.index, settings), embedder, cache, options)

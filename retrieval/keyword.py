@@ -95,16 +95,27 @@ def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-class KeywordCopies:
-    """The keyword working copies of one replica, under one local directory."""
+#: where working copies go while they fit ``memory_bytes``: a tmpfs, where the commit that adds
+#: each tail update (on the tail's thread, before queries see the update) skips the disk's fsync
+MEMORY_DIR = Path("/dev/shm")
 
-    def __init__(self, root: Path | None = None) -> None:
+
+class KeywordCopies:
+    """The keyword working copies of one replica, under one local directory (and in memory
+    while they fit ``memory_bytes``)."""
+
+    def __init__(self, root: Path | None = None, memory_bytes: int = 0, memory_dir: Path = MEMORY_DIR) -> None:
         #: pristine copies live here (kept across restarts when ``root`` is given); working copies in
-        #: ``work`` below it. Both are made on first use: a dense-only replica writes nothing.
+        #: ``work`` below it, or in ``memory_dir``. All are made on first use: a dense-only replica
+        #: writes nothing.
         self.temporary = root is None
         self._root = root
         self._work: Path | None = None
         self._dirs = threading.Lock()
+        self.memory_bytes = memory_bytes
+        self._memory_dir = memory_dir
+        self._memory_work: Path | None = None
+        self.in_memory = 0  # bytes the working copies in memory hold against ``memory_bytes``
         self._copies: weakref.WeakKeyDictionary[TailLog, dict[str, _Slot]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()  # held only to look up slots: a copy is made under its slot's lock
         self._making = 0  # copies being made (prepare deletes no pristine directory meanwhile)
@@ -171,10 +182,43 @@ class KeywordCopies:
                     self._checked.discard(old)
                     shutil.rmtree(old, ignore_errors=True)
 
+    def _place(self, pristine: Path) -> tuple[Path, int]:
+        """Where a working copy of ``pristine`` goes, and the bytes it holds in memory: memory (a
+        full copy) while twice its size fits the budget (the tail's segments and their merges
+        grow it) and the file system there has four times its size free; else beside the
+        pristine copy (hard links)."""
+        size = sum(f.stat().st_size for f in pristine.iterdir() if f.is_file())
+        held = 2 * size
+        with self._dirs:
+            if self.memory_bytes and self.in_memory + held <= self.memory_bytes:
+                try:
+                    if self._memory_work is None:
+                        self._memory_work = Path(tempfile.mkdtemp(prefix="streamrag-keyword-", dir=self._memory_dir))
+                    memory: Path | None = self._memory_work
+                    if shutil.disk_usage(self._memory_work).free < 4 * size:
+                        memory = None
+                except OSError:  # no such file system here
+                    memory = None
+                if memory is not None:
+                    self.in_memory += held
+                    return memory, held
+        return self.work, 0
+
+    def _release(self, held: int) -> None:
+        with self._dirs:
+            self.in_memory -= held
+
     def _make(self, reader: IndexReader) -> _Copy:
         manifest = reader.manifest
         pristine = fetch_pristine(reader.store, manifest.keyword, self.root, self._checked)
-        copy = _Copy(working_copy(pristine, self.work))
+        where, held = self._place(pristine)
+        try:
+            copy = _Copy(working_copy(pristine, where))
+        except BaseException:
+            self._release(held)
+            raise
+        if held:
+            weakref.finalize(copy, self._release, held)
         deltas = [s for s, ref in enumerate(manifest.shards) if ref.delta]
         for s, shard in reader.shards(deltas).items():  # an incremental version's rows the base's index lacks
             copy.index.add(shard_documents(s, shard.ids))
@@ -183,10 +227,11 @@ class KeywordCopies:
     def close(self) -> None:
         with self._lock:
             self._copies = weakref.WeakKeyDictionary()
-            doomed = self._root if self.temporary else self._work
-            self._work = None
-        if doomed is not None:
-            shutil.rmtree(doomed, ignore_errors=True)
+            doomed = [self._root if self.temporary else self._work, self._memory_work]
+            self._work = self._memory_work = None
+        for path in doomed:
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 #: a retriever's candidate: (score, higher is better: cosine or BM25; "index" | "tail"; a shard Hit or a tail row)

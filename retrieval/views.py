@@ -58,6 +58,8 @@ class EngineOptions:
     identifier_weight: float = 1.5
     #: where replicas keep keyword index files (None: a temporary directory)
     keyword_dir: str | None = None
+    #: keyword working copies held in memory (a tmpfs) while they fit; 0: all on disk
+    keyword_memory_bytes: int = 0
 
 
 #: search modes: fused keyword and vector, vector only, keyword (BM25) only
@@ -108,7 +110,9 @@ class Views:
         self._versions_lock = threading.Lock()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
-        self.keywords = KeywordCopies(Path(options.keyword_dir) if options.keyword_dir else None)
+        self.keywords = KeywordCopies(
+            Path(options.keyword_dir) if options.keyword_dir else None, options.keyword_memory_bytes
+        )
 
     # -- lifecycle ---------------------------------------------------------------------
 

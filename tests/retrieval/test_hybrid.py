@@ -446,3 +446,59 @@ def test_making_one_views_copy_does_not_block_another_views_queries(tmp_path: Pa
     old.join(30)
     twin.join(30)
     assert sorted(made) == ["new", "old"]  # the twin waited for the first "old" copy
+
+
+def test_keyword_copies_in_memory_while_they_fit_answer_like_copies_on_disk(tmp_path: Path, ray_local: None) -> None:
+    """A replica keeps its keyword working copies in memory (a tmpfs: a tail update's commit
+    skips the disk's fsync) while twice their size fits the budget, else on disk; both answer
+    the same, before and after fresh updates, and a dropped copy gives its budget back."""
+    import gc
+
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
+    docs = corpus()
+    lake.write(docs)
+    build(lake, tmp_path / "index")
+    memory = tmp_path / "memory"  # stands for /dev/shm: placement and budget are what is tested
+    memory.mkdir()
+    engines = {
+        budget: SearchEngine(
+            lake.lake,
+            LocalStore(str(tmp_path / "index")),
+            lake.embedder,
+            None,
+            EngineOptions(nprobe=2, keyword_dir=str(tmp_path / f"kw-{budget}"), keyword_memory_bytes=budget),
+        )
+        for budget in (0, 1 << 30)
+    }
+    engines[1 << 30].keywords._memory_dir = memory
+    for engine in engines.values():
+        engine.start(background=False)
+
+    def answers(engine: SearchEngine) -> list[list[str]]:
+        return [ids(engine.search(q, k=5, mode="keyword", principal=HR)) for q in ("note", "alpha", "w7 w12")]
+
+    def where(engine: SearchEngine) -> Path:
+        return engine.keywords.copy_for(engine.current_view().reader, engine.current_view().tail).index.path
+
+    assert answers(engines[0]) == answers(engines[1 << 30])
+    assert memory in where(engines[1 << 30]).parents and memory not in where(engines[0]).parents
+    held = engines[1 << 30].keywords.in_memory
+    assert held > 0 and engines[0].keywords.in_memory == 0
+    lake.write([Doc(3, "note alpha rewritten"), Doc(500, "a new note alpha")])
+    lake.write([docs[5]], op="delete")
+    for engine in engines.values():
+        engine._tail.poll()  # type: ignore[union-attr]
+    assert answers(engines[0]) == answers(engines[1 << 30])
+    assert any(Doc(500, "a new note alpha").chunk_id in found for found in answers(engines[0]))
+
+    small = KeywordCopies(tmp_path / "kw-small", memory_bytes=held // 2, memory_dir=memory)
+    reader, tail = engines[0].current_view().reader, engines[0].current_view().tail
+    assert memory not in small.copy_for(reader, tail).index.path.parents and small.in_memory == 0  # too big: disk
+
+    copies = engines[1 << 30].keywords
+    copies._copies.clear()  # the views drop their copies (an index swap does)
+    gc.collect()
+    assert copies.in_memory == 0
+    for engine in engines.values():
+        engine.stop()
+    assert not any(memory.iterdir())  # closing removes the copies in memory too
