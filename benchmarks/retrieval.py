@@ -515,6 +515,7 @@ class Changes:
 
     def run(self, target: Target, updates: list[tuple[int, str]], deletes: list[int]) -> dict[str, Any]:
         """Idle search, then updates, then deletes: one system's figures."""
+        self.idle(target, 5)  # warm-up (first queries, caches): not part of the idle figure
         idle = self.idle(target, 15)
         self.superseded = []
         lags, during = self.measure(target, [(pk, text, None) for pk, text in updates])
