@@ -24,6 +24,7 @@ ids): that cost every query time in proportion to the tail (0.25 ms for 10 chunk
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -98,6 +99,26 @@ def _remove(path: Path) -> None:
 #: where working copies go while they fit ``memory_bytes``: a tmpfs, where the commit that adds
 #: each tail update (on the tail's thread, before queries see the update) skips the disk's fsync
 MEMORY_DIR = Path("/dev/shm")
+
+
+#: a replica's directory in ``MEMORY_DIR``: this, its process id, "-", a random part
+MEMORY_PREFIX = "streamrag-keyword-"
+
+
+def _sweep_dead(memory_dir: Path) -> None:
+    """Remove the in-memory copies of replicas that died without closing them (killed, out of
+    memory): memory that nothing else would ever give back."""
+    for path in memory_dir.glob(f"{MEMORY_PREFIX}*-*"):
+        pid = path.name[len(MEMORY_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            log.info("removing %s: the replica that made it is gone", path)
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive, someone else's
+            pass
 
 
 class KeywordCopies:
@@ -193,7 +214,10 @@ class KeywordCopies:
             if self.memory_bytes and self.in_memory + held <= self.memory_bytes:
                 try:
                     if self._memory_work is None:
-                        self._memory_work = Path(tempfile.mkdtemp(prefix="streamrag-keyword-", dir=self._memory_dir))
+                        _sweep_dead(self._memory_dir)
+                        self._memory_work = Path(
+                            tempfile.mkdtemp(prefix=f"{MEMORY_PREFIX}{os.getpid()}-", dir=self._memory_dir)
+                        )
                     memory: Path | None = self._memory_work
                     if shutil.disk_usage(self._memory_work).free < 4 * size:
                         memory = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -460,6 +461,12 @@ def test_keyword_copies_in_memory_while_they_fit_answer_like_copies_on_disk(tmp_
     build(lake, tmp_path / "index")
     memory = tmp_path / "memory"  # stands for /dev/shm: placement and budget are what is tested
     memory.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = memory / f"streamrag-keyword-{dead.pid}-killed"  # a replica killed before it could close
+    alive = memory / "streamrag-keyword-1-running"  # another live process's
+    for path in (left, alive):
+        (path / "copy").mkdir(parents=True)
     engines = {
         budget: SearchEngine(
             lake.lake,
@@ -482,6 +489,7 @@ def test_keyword_copies_in_memory_while_they_fit_answer_like_copies_on_disk(tmp_
 
     assert answers(engines[0]) == answers(engines[1 << 30])
     assert memory in where(engines[1 << 30]).parents and memory not in where(engines[0]).parents
+    assert not left.exists() and alive.exists()  # a dead replica's memory is given back, no one else's
     held = engines[1 << 30].keywords.in_memory
     assert held > 0 and engines[0].keywords.in_memory == 0
     lake.write([Doc(3, "note alpha rewritten"), Doc(500, "a new note alpha")])
@@ -501,4 +509,4 @@ def test_keyword_copies_in_memory_while_they_fit_answer_like_copies_on_disk(tmp_
     assert copies.in_memory == 0
     for engine in engines.values():
         engine.stop()
-    assert not any(memory.iterdir())  # closing removes the copies in memory too
+    assert list(memory.iterdir()) == [alive]  # closing removes the copies in memory too
