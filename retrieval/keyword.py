@@ -181,8 +181,8 @@ class KeywordCopies:
         return found
 
     def sync_existing(self, reader: IndexReader, tail: TailState) -> None:
-        """Bring this view's copy up to ``tail`` if it exists (the tail's thread calls this after
-        each commit, so a query rarely pays for the new rows)."""
+        """Bring this view's copy up to ``tail`` if it exists (the tail's thread calls this with
+        each new state before queries see it, so no query pays for the new rows)."""
         with self._lock:
             slot = self._copies.get(tail.log, {}).get(reader.manifest.build_id)
         if slot is not None and slot.copy is not None:
@@ -218,12 +218,11 @@ class KeywordCopies:
                         self._memory_work = Path(
                             tempfile.mkdtemp(prefix=f"{MEMORY_PREFIX}{os.getpid()}-", dir=self._memory_dir)
                         )
-                    memory: Path | None = self._memory_work
-                    if shutil.disk_usage(self._memory_work).free < 4 * size:
-                        memory = None
+                    memory = self._memory_work
+                    fits = shutil.disk_usage(memory).free >= 4 * size
                 except OSError:  # no such file system here
-                    memory = None
-                if memory is not None:
+                    fits = False
+                if fits:
                     self.in_memory += held
                     return memory, held
         return self.work, 0
