@@ -21,6 +21,7 @@ Sections
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,39 +317,72 @@ def bench_http(work: Path, seconds: float) -> None:
 
 def scrape(url: str) -> dict[str, float]:
     """Prometheus samples at ``url`` by name: unlabelled ones, the chunks table's, and those
-    labelled by stage (as ``name|stage``)."""
+    labelled by stage (as ``name|stage``); a histogram's buckets as ``name_bucket[|stage]|le``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url, timeout=10).text
     found = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.labels in ({}, {"table": "chunks"}):
-                found[sample.name] = sample.value
-            elif set(sample.labels) == {"stage"}:
-                found[f"{sample.name}|{sample.labels['stage']}"] = sample.value
+            labels = dict(sample.labels)
+            le = labels.pop("le", None)
+            suffix = "" if le is None else f"|{le}"
+            if labels in ({}, {"table": "chunks"}):
+                found[sample.name + suffix] = sample.value
+            elif set(labels) == {"stage"}:
+                found[f"{sample.name}|{labels['stage']}{suffix}"] = sample.value
     return found
+
+
+def bucket_quantile(before: dict[str, float], after: dict[str, float], prefix: str, q: float) -> float | None:
+    """Milliseconds below which ``q`` of the observations between two scrapes fall, interpolated
+    within a histogram's buckets (as Prometheus's ``histogram_quantile``): coarse, but it shows
+    which stage has the long tail. ``prefix``: ``name_bucket`` or ``name_bucket|stage``."""
+    edges = sorted((float(key.rsplit("|", 1)[1]), after[key] - before.get(key, 0.0))
+                   for key in after if key.rsplit("|", 1)[0] == prefix)  # fmt: skip
+    if not edges or edges[-1][1] <= 0:
+        return None
+    rank, low, below = q * edges[-1][1], 0.0, 0.0
+    for edge, count in edges:
+        if count >= rank:
+            if math.isinf(edge):
+                return round(low * 1000, 1)  # past the last finite bucket: its edge is all we know
+            return round((low + (edge - low) * (rank - below) / max(count - below, 1e-9)) * 1000, 1)
+        low, below = edge, count
+    return None
+
+
+#: the stages of a change's way to search: (histogram, stage label) by the name printed
+STAGES = {
+    "produce_to_commit_ms": ("streamrag_ingest_event_to_commit_seconds", ""),
+    "produce_to_read_ms": ("streamrag_ingest_fetch_delay_seconds", ""),
+    "embed_batch_ms": ("streamrag_ingest_embed_seconds", ""),
+    "commit_batch_ms": ("streamrag_ingest_commit_seconds", ""),
+    "commit_to_notice_ms": ("streamrag_commit_notice_delay_seconds", ""),
+    "notice_to_visible_ms": ("streamrag_tail_stage_seconds", "notice_to_visible"),
+    "tail_read_ms": ("streamrag_tail_stage_seconds", "read"),
+    "tail_follow_ms": ("streamrag_tail_stage_seconds", "follow"),
+}
 
 
 def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
     """Mean milliseconds per stage between two scrapes of the ingest job and the service."""
 
-    def mean(name: str, stage: str = "") -> float | None:
+    def mean(name: str, stage: str) -> float | None:
         count, total = f"{name}_count", f"{name}_sum"
         if stage:
             count, total = f"{count}|{stage}", f"{total}|{stage}"
         n = after.get(count, 0) - before.get(count, 0)
         return round((after[total] - before.get(total, 0)) / n * 1000, 1) if n else None
 
+    return {shown: mean(name, stage) for shown, (name, stage) in STAGES.items()}
+
+
+def stage_p95s(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Each stage's p95 in milliseconds between two scrapes, from its histogram's buckets."""
     return {
-        "produce_to_commit_ms": mean("streamrag_ingest_event_to_commit_seconds"),
-        "produce_to_read_ms": mean("streamrag_ingest_fetch_delay_seconds"),
-        "embed_batch_ms": mean("streamrag_ingest_embed_seconds"),
-        "commit_batch_ms": mean("streamrag_ingest_commit_seconds"),
-        "commit_to_notice_ms": mean("streamrag_commit_notice_delay_seconds"),
-        "notice_to_visible_ms": mean("streamrag_tail_stage_seconds", "notice_to_visible"),
-        "tail_read_ms": mean("streamrag_tail_stage_seconds", "read"),
-        "tail_follow_ms": mean("streamrag_tail_stage_seconds", "follow"),
+        shown: bucket_quantile(before, after, f"{name}_bucket" + (f"|{stage}" if stage else ""), 0.95)
+        for shown, (name, stage) in STAGES.items()
     }
 
 
@@ -474,12 +508,16 @@ class Changes:
         return time.monotonic() - t0
 
     def measure(
-        self, target: Target, plan: list[tuple[int, str | None, str | None]], rate: float | None = None
+        self,
+        target: Target,
+        plan: list[tuple[int, str | None, str | None]],
+        rate: float | None = None,
+        timing: bool = True,
     ) -> tuple[list[float], list[float]]:
         """(lags, search latencies of one client searching meanwhile) for changes made at
-        ``rate``/s (the stream's rate by default)."""
+        ``rate``/s (the stream's rate by default); with ``timing`` off, no change is searched for."""
         rate = rate or self.rate
-        every = timed_every(rate)
+        every = timed_every(rate) if timing else len(plan) + 1
         stop = threading.Event()
         during: list[float] = []
         rng = random.Random(5)
@@ -495,7 +533,7 @@ class Changes:
         with ThreadPoolExecutor(1) as side, ThreadPoolExecutor(16) as pool:
             side.submit(searcher)
             try:
-                futures = [pool.submit(self.change, target, pk, text, start + i / rate, gone, i % every == 0)
+                futures = [pool.submit(self.change, target, pk, text, start + i / rate, gone, timing and i % every == 0)
                            for i, (pk, text, gone) in enumerate(plan)]  # fmt: skip
                 lags = [lag for f in futures if (lag := f.result()) is not None]
             finally:
@@ -514,11 +552,22 @@ class Changes:
         return latencies
 
     def run(self, target: Target, updates: list[tuple[int, str]], deletes: list[int]) -> dict[str, Any]:
-        """Idle search, then updates, then deletes: one system's figures."""
+        """Idle search; search while updates flow, none of them timed; then timed updates and
+        timed deletes: one system's figures.
+
+        Search latency while updates flow is taken with no change being timed: timing a change
+        searches for it every 10 ms, a load on the service that idle search does not carry,
+        and that would be counted as the updates' cost (``search_during_timed_updates`` shows
+        the latency with it).
+        """
         self.idle(target, 5)  # warm-up (first queries, caches): not part of the idle figure
         idle = self.idle(target, 15)
         self.superseded = []
-        lags, during = self.measure(target, [(pk, text, None) for pk, text in updates])
+        # Texts of their own ("<tag> load revision …"): never what a timed change looks for.
+        flow = [(pk, text.replace(" revision ", " load revision ", 1), None) for pk, text in updates]
+        _, during = self.measure(target, flow[: round(self.rate * 15)], timing=False)  # 15 s of the stream
+        time.sleep(2)
+        lags, during_timed = self.measure(target, [(pk, text, None) for pk, text in updates])
         gone_plan: list[tuple[int, str | None, str | None]] = []
         for pk in deletes:
             text = self.bodies[pk]
@@ -535,7 +584,7 @@ class Changes:
                     p50_ms=pct(lags, 50), p95_ms=pct(lags, 95), p99_ms=pct(lags, 99),
                     deletes=len(gone), delete_gone_p50_ms=pct(gone, 50), delete_gone_p95_ms=pct(gone, 95),
                     delete_gone_p99_ms=pct(gone, 99), search_idle=percentiles(idle),
-                    search_during_updates=percentiles(during),
+                    search_during_updates=percentiles(during), search_during_timed_updates=percentiles(during_timed),
                     search_p99_ratio=round(float(np.percentile(during, 99) / np.percentile(idle, 99)), 2))  # fmt: skip
 
 
@@ -552,6 +601,26 @@ def timed_every(rate: float) -> int:
 
 #: detection searches per second across all changes in flight (None: each polls every 10 ms)
 MAX_POLLS_PER_S: float | None = None
+
+#: freshness: the service under test (ours, then Pathway) alone on CPU 1, the broker, our ingest
+#: job and the client on CPU 0 (None: no pinning). On a 2-core machine this separates the
+#: service's own per-commit work from the CPU that embedding and the client take from it.
+PIN_SERVICE: bool = False
+
+
+@contextlib.contextmanager
+def service_cpus() -> Iterator[None]:
+    """While it lasts, processes started from this thread run on the service's CPU (with
+    ``PIN_SERVICE``; every thread they start inherits it)."""
+    if not PIN_SERVICE:
+        yield
+        return
+    os.sched_setaffinity(0, {1})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, {0})
+
 
 #: both systems' librdkafka fetch.wait.max.ms: Tansu holds a fetch for its whole wait (docs/PITFALLS.md)
 FETCH_WAIT_MS = 10
@@ -595,7 +664,8 @@ def pathway_phase(
     extra: list[str],
 ) -> dict[str, Any]:
     """Pathway on the same topic: once it has caught up with every change so far, the same plan."""
-    proc, url = start_pathway(bootstrap, topic, work, python, extra)
+    with service_cpus():
+        proc, url = start_pathway(bootstrap, topic, work, python, extra)
     procs.append(proc)
     target = pathway_target(url)
     last = sorted(changes.bodies)[-10:]  # the bulk load's last notes (both partitions, surely)
@@ -626,6 +696,8 @@ def _freshness(
     cpu_threads: int | None,
     dtype: str | None,
 ) -> None:
+    if PIN_SERVICE:  # this process, and the broker and ingest job it starts, on CPU 0
+        os.sched_setaffinity(0, {0})
     docs = load_pydocs()
     rng = random.Random(4)
     paragraphs = [p for d in docs[:60] for p in d.body.split("\n\n") if 200 < len(p) < 600]
@@ -660,7 +732,8 @@ def _freshness(
                                start_new_session=True)  # fmt: skip
         procs.append(job)
         # Commit notices from the ingest job (the lake is polled every 2 s as a fallback).
-        server, url = serve(lake, index, work, "--bootstrap", bootstrap, *embedder_args)
+        with service_cpus():
+            server, url = serve(lake, index, work, "--bootstrap", bootstrap, *embedder_args)
         procs.append(server)
         time.sleep(10)  # the ingest job's model load is not part of the lag
 
@@ -678,7 +751,8 @@ def _freshness(
 
         before = scrape_both()
         ours = changes.run(streamrag_target(url), update_plan("Ours"), list(range(updatable, updatable + n_deletes)))
-        stages = stage_means(before, scrape_both())
+        after = scrape_both()
+        stages, stages_p95 = stage_means(before, after), stage_p95s(before, after)
 
         # Interactive queries while a bulk load ingests.
         idle, _ = load(url, queries, 1, 15)
@@ -709,10 +783,10 @@ def _freshness(
             except Exception as exc:  # noqa: BLE001 - our figures still stand; say why the peer's are missing
                 peer_figures = f"failed: {exc}"
         emit(bench="freshness", lake=store, rate_per_s=rate, timed_every=timed_every(rate),
-             max_polls_per_s=MAX_POLLS_PER_S,
+             max_polls_per_s=MAX_POLLS_PER_S, pinned="service on CPU 1, the rest on CPU 0" if PIN_SERVICE else None,
              push="commit notices", cpu_threads=cpu_threads, dtype=dtype or "auto",
              fetch_wait_ms=FETCH_WAIT_MS,
-             **ours, stages_mean=stages,
+             **ours, stages_mean=stages, stages_p95=stages_p95,
              peer=peer_figures,
              targets="update and delete p95 <= 300 ms, p99 <= 500 ms local; p99 <= 1 s on S3; "
                      "search p99 during updates <= 1.2x idle")  # fmt: skip
@@ -789,13 +863,21 @@ def main() -> None:
     parser.add_argument("--fresh-store", choices=["local", "s3"], action="append", help="lake for freshness (local)")
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     parser.add_argument("--delay-ms", type=float, default=20.0, help="codecs: added to every S3 request (20)")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="freshness: the service (ours, then the peer) on CPU 1, everything else on CPU 0",
+    )
     parser.add_argument("--cpu-threads", type=int, help="freshness: --cpu-threads of ingest, serve and the peer")
     parser.add_argument("--dtype", help="freshness: --dtype of our ingest and serve (int8; the peer stays fp32)")
     parser.add_argument("--pathway-python", type=Path, default=ROOT / ".venv-pathway" / "bin" / "python",
                         help="Pathway's environment (made by make bench): the freshness peer")  # fmt: skip
     args = parser.parse_args()
-    global MAX_POLLS_PER_S
+    global MAX_POLLS_PER_S, PIN_SERVICE
     MAX_POLLS_PER_S = args.max_polls_per_s
+    PIN_SERVICE = args.pin
+    if PIN_SERVICE and args.cpu_threads is None:
+        args.cpu_threads = 1  # one CPU each: more threads than that only contend
     sections = set(args.only or ["search", "cold", "http", "freshness", "tail", "codecs"])
     TAGS["corpus"] = "synthetic"
     work = Path(tempfile.mkdtemp(prefix="srbench-", dir="/tmp"))
