@@ -8,9 +8,10 @@ writer recognise replayed rows. Older recovery directories hold just the number.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 import pyarrow as pa
@@ -28,16 +29,26 @@ log = logging.getLogger(__name__)
 State = tuple[int, int] | int  # (seq, horizon); a bare seq from older recovery directories
 
 
-class _LakePartition(StatefulSinkPartition[pa.Table, State]):
-    """Commits on a thread of its own, one commit in flight: the worker reads and embeds
-    the next micro-batch while the last one commits (on S3 a commit takes a few hundred
-    milliseconds of log requests; before, the next changes waited in Kafka meanwhile).
+#: rows a sink partition holds for its next commit before the worker waits for the one in flight
+MAX_PENDING_ROWS = 8192
 
-    Exactly-once is unchanged: commits still land one at a time and in order, a batch is
-    handed over only after the previous commit landed, and ``snapshot`` (the end of an
-    epoch, when bytewax records the source offsets) and ``close`` wait for the commit in
-    flight and raise its error, so no epoch is recorded as done before its rows are in the
-    lake.
+
+class _LakePartition(StatefulSinkPartition[pa.Table, State]):
+    """Group commit on a thread of its own, one commit in flight: the worker goes on reading
+    and embedding while a commit lands, and the micro-batches it hands over meanwhile are
+    committed together, in one commit, as soon as it has landed.
+
+    A lone change therefore waits for at most the commit in flight and its own, and a busy
+    stream makes fewer, larger commits instead of a queue of small ones. (Before, the worker
+    waited for the commit in flight before it handed over the next batch, and read nothing
+    from Kafka meanwhile: under load, changes queued behind commits.) The worker waits only
+    when ``max_pending_rows`` are held (backpressure).
+
+    Exactly-once is unchanged: commits land one at a time and in order, rows keep the order
+    they were handed over in, and ``snapshot`` (the end of an epoch, when bytewax records
+    the source offsets) and ``close`` wait until every row handed over has landed and raise
+    a commit's error, so no epoch is recorded as done before its rows are in the lake.
+    After a failed commit nothing more is committed.
     """
 
     def __init__(
@@ -45,23 +56,61 @@ class _LakePartition(StatefulSinkPartition[pa.Table, State]):
         writer: LakeWriter,
         before_commit: Callable[[pa.Table], None] | None,
         notices: NoticePublisher | None = None,
+        max_pending_rows: int = MAX_PENDING_ROWS,
     ) -> None:
         self._writer = writer
         self._before_commit = before_commit
         self._notices = notices
+        self._max_pending_rows = max_pending_rows
         self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"commit-{writer.app_id}")
-        self._in_flight: Future[None] | None = None
+        self._changed = threading.Condition()
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+        self._committing = False  # a commit thread task is running (or about to)
+        self._failed: BaseException | None = None
+        self._raised = False  # the failure was raised in the worker already
 
     def write_batch(self, values: list[pa.Table]) -> None:
-        rows = pa.concat_tables(values)
-        self._settle()
-        self._in_flight = self._committer.submit(self._commit, rows)
+        with self._changed:
+            self._raise_failure()
+            while self._committing and self._pending_rows >= self._max_pending_rows:
+                self._changed.wait()
+                self._raise_failure()
+            self._pending.extend(values)
+            self._pending_rows += sum(v.num_rows for v in values)
+            if not self._committing:
+                self._committing = True
+                self._committer.submit(self._drain)
+
+    def _drain(self) -> None:
+        """Commit what is pending, in one commit, until nothing is (on the commit thread)."""
+        while True:
+            with self._changed:
+                if not self._pending:
+                    self._committing = False
+                    self._changed.notify_all()
+                    return
+                values, self._pending, self._pending_rows = self._pending, [], 0
+                self._changed.notify_all()
+            try:
+                self._commit(pa.concat_tables(values))
+            except BaseException as exc:  # noqa: BLE001 - raised in the worker by the next call
+                with self._changed:
+                    self._failed, self._committing = exc, False
+                    self._changed.notify_all()
+                return
+
+    def _raise_failure(self) -> None:
+        if self._failed is not None:
+            self._raised = True
+            raise self._failed
 
     def _settle(self) -> None:
-        """Wait for the commit in flight; its failure is raised here, in the worker."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            in_flight.result()
+        """Wait until every row handed over has landed; a commit's failure is raised here, in the worker."""
+        with self._changed:
+            while self._committing:
+                self._changed.wait()
+            self._raise_failure()
 
     def _commit(self, rows: pa.Table) -> None:
         written = self._writer.write(rows, before_commit=self._before_commit)
@@ -89,7 +138,8 @@ class _LakePartition(StatefulSinkPartition[pa.Table, State]):
 
     def close(self) -> None:
         try:
-            self._settle()
+            if not self._raised:  # (bytewax aborts the process if close raises what snapshot did)
+                self._settle()
         finally:
             self._committer.shutdown(wait=True)
             if self._notices is not None:

@@ -23,6 +23,10 @@ same app id makes it stop rather than corrupt the table. deltalake's
 the commits that landed since its own last one, by their commit info (every streamrag
 commit names its writer and seq there); a commit it cannot vouch for that way sends it
 back to ``transaction_version``.
+
+The writer loads its table afresh every ``RELOAD_EVERY`` versions: deltalake 1.6's append
+costs time in proportion to the commits its table object has replayed since it was loaded,
+on top of the files in the table (docs/PITFALLS.md).
 """
 
 from __future__ import annotations
@@ -50,6 +54,12 @@ _NO_APP_TXN = frozenset({"OPTIMIZE", "VACUUM START", "VACUUM END"})
 
 class ConcurrentWriterError(RuntimeError):
     """Another process committed with this writer's app id."""
+
+
+#: table versions after which a writer loads its table afresh. Measured on local disk with
+#: deltalake 1.6 at ~1,000 files: an append took 56 ms from a table object updated since
+#: version 0, 11-18 ms reloaded every 100 versions, and a reload 5-7 ms.
+RELOAD_EVERY = 50
 
 
 class LakeWriter:
@@ -86,13 +96,14 @@ class LakeWriter:
         self._horizon = horizon
         self.seq = committed
         self._seen = self._dt.version()  # the log up to here holds no commit of ours after ``seq``
+        self._loaded = self._seen
         if self._skip:
             log.info("%s: %d rows committed after the snapshot will be skipped on replay", app_id, len(self._skip))
 
     @property
     def table_version(self) -> int:
         """The table's version as this writer last saw it (after its own last commit)."""
-        return self._dt.version()
+        return self._seen
 
     @property
     def recovery_state(self) -> tuple[int, int]:
@@ -158,9 +169,12 @@ class LakeWriter:
                         f"but found {landed}: two jobs share one lake writer id."
                     )
                 write_deltalake(self._dt, rows, mode="append", commit_properties=props)
-        metrics.COMMIT_SECONDS.labels(self.table_name).observe(time.perf_counter() - started)
         self.seq = seq
         self._seen = self._dt.version()
+        if self._seen - self._loaded >= RELOAD_EVERY:
+            self._dt = self.lake.table(self.table_name)
+            self._loaded = self._dt.version()
+        metrics.COMMIT_SECONDS.labels(self.table_name).observe(time.perf_counter() - started)
         return rows
 
     def _landed(self) -> int:

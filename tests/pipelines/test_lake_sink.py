@@ -1,5 +1,6 @@
-"""The lake sink commits on a thread of its own, one commit in flight, in order, and an
-epoch never ends (snapshot) or a job never finishes (close) before its rows landed."""
+"""The lake sink commits on a thread of its own, one commit in flight, in order; batches
+handed over meanwhile land together in the next commit; and an epoch never ends
+(snapshot) or a job never finishes (close) before its rows landed."""
 
 from __future__ import annotations
 
@@ -63,15 +64,32 @@ def test_the_worker_goes_on_while_a_commit_is_in_flight() -> None:
     writer = SlowWriter()
     part = _LakePartition(writer, None)  # type: ignore[arg-type]
     part.write_batch(batch(1, 2))  # returns although the commit cannot finish yet
+    part.write_batch(batch(3))  # and so do the batches after it
+    part.write_batch(batch(4, 5))
     assert writer.committed == []
-    second = in_thread(lambda: part.write_batch(batch(3)))
-    second.join(0.3)
-    assert second.is_alive(), "a second batch must wait until the first one landed"
     writer.gate.set()
-    second.join(10)
-    assert part.snapshot() == (2, 2)  # both landed before the epoch ends
-    assert writer.committed == [[1, 2], [3]]
+    assert part.snapshot() == (2, 2)  # all landed before the epoch ends
+    assert writer.committed == [[1, 2], [3, 4, 5]], "what waited for the commit in flight lands in one commit"
     assert writer.most_busy == 1
+    part.write_batch(batch(6))  # a quiet stream: a lone batch commits at once
+    assert part.snapshot() == (3, 3)
+    assert writer.committed[-1] == [6]
+    part.close()
+
+
+def test_the_worker_waits_once_enough_rows_are_held() -> None:
+    writer = SlowWriter()
+    part = _LakePartition(writer, None, max_pending_rows=3)  # type: ignore[arg-type]
+    part.write_batch(batch(1))  # in flight
+    part.write_batch(batch(2, 3, 4))  # held: 3 rows
+    blocked = in_thread(lambda: part.write_batch(batch(5)))
+    blocked.join(0.3)
+    assert blocked.is_alive(), "past max_pending_rows the worker must wait (backpressure)"
+    writer.gate.set()
+    blocked.join(10)
+    assert not blocked.is_alive()
+    part.snapshot()
+    assert [n for rows in writer.committed for n in rows] == [1, 2, 3, 4, 5], "order kept"
     part.close()
 
 
@@ -92,20 +110,25 @@ def test_snapshot_waits_for_the_commit_in_flight() -> None:
 @pytest.mark.parametrize("then", ["write_batch", "snapshot", "close"])
 def test_a_failed_commit_is_raised_in_the_worker(then: str) -> None:
     writer = SlowWriter(fail_on=1)
-    writer.gate.set()
     part = _LakePartition(writer, None)  # type: ignore[arg-type]
-    part.write_batch(batch(1))
+    part.write_batch(batch(1))  # in flight: will fail
+    part.write_batch(batch(2))  # held for the next commit
+    writer.gate.set()
     with pytest.raises(OSError, match="object store said no"):
         if then == "write_batch":
-            part.write_batch(batch(2))
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # raised by the first call after the failure
+                part.write_batch(batch(3))
+                time.sleep(0.01)
         elif then == "snapshot":
             part.snapshot()
         else:
             part.close()
-    assert writer.committed == []
-    if then == "write_batch":
-        time.sleep(0.1)
-        assert writer.committed == [], "nothing after a failed commit may land"
+    time.sleep(0.1)
+    assert writer.committed == [], "nothing after a failed commit may land"
+    with pytest.raises(OSError, match="object store said no"):
+        part.snapshot()  # nor may an epoch end as if it had
+    part._committer.shutdown(wait=True)
 
 
 def test_a_job_whose_last_commit_fails_fails(tmp_path, monkeypatch) -> None:

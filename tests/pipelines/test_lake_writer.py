@@ -231,3 +231,32 @@ def test_a_lake_made_before_the_metadata_column_is_upgraded_in_place(tmp_path: P
     rows = current_chunks(lake, columns=["chunk_id", "metadata"]).sort_by("chunk_id").to_pylist()
     assert rows == [{"chunk_id": "c0000000", "metadata": None}, {"chunk_id": "c0000001", "metadata": None},
                     {"chunk_id": "c0000005", "metadata": '{"team": "eng"}'}]  # fmt: skip
+
+
+def test_writers_that_reload_their_table_stay_exactly_once(lake: Lake, monkeypatch, transaction_version_calls) -> None:
+    """A writer loads its table afresh every few versions (an append costs deltalake time in
+    proportion to the commits its table object replayed): across reloads, with another
+    writer in between, each commit's version is its own, nothing is lost or doubled, no
+    reload sends the writer back to ``transaction_version``, and a second writer with the
+    same app id is still refused."""
+    import pipelines.lake_writer as lake_writer
+
+    monkeypatch.setattr(lake_writer, "RELOAD_EVERY", 3)
+    a, b = LakeWriter(lake, DEAD_LETTERS, "a", None), LakeWriter(lake, DEAD_LETTERS, "b", None)
+    first_table = a._dt
+    versions = []
+    for i in range(0, 30, 2):
+        a.write(letters(i))
+        versions.append(a.table_version)
+        b.write(letters(i + 1))
+    assert a._dt is not first_table, "the writer must have reloaded its table"
+    assert offsets(lake) == list(range(30)) and (a.seq, b.seq) == (15, 15)
+    history = {c["version"]: c for c in lake.table(DEAD_LETTERS).history()}
+    assert [(history[v]["streamrag.writer"], history[v]["streamrag.seq"]) for v in versions] == [
+        ("a", str(seq)) for seq in range(1, 16)
+    ], "a commit notice names the version of the writer's own commit"
+    assert transaction_version_calls["n"] == 2
+    intruder = LakeWriter(lake, DEAD_LETTERS, "a", None)
+    intruder.write(letters(99))
+    with pytest.raises(ConcurrentWriterError, match="two jobs share one lake writer id"):
+        a.write(letters(100))
