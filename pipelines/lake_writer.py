@@ -24,9 +24,10 @@ the commits that landed since its own last one, by their commit info (every stre
 commit names its writer and seq there); a commit it cannot vouch for that way sends it
 back to ``transaction_version``.
 
-The writer loads its table afresh every ``RELOAD_EVERY`` versions: deltalake 1.6's append
-costs time in proportion to the commits its table object has replayed since it was loaded,
-on top of the files in the table (docs/PITFALLS.md).
+The writer loads its table afresh after each checkpoint: deltalake 1.6's append costs time
+in proportion to the commits its table object has replayed since it was loaded, on top of
+the files in the table (docs/PITFALLS.md). Right after a checkpoint a load reads that
+checkpoint and a commit or two, which matters on S3.
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ class ConcurrentWriterError(RuntimeError):
     """Another process committed with this writer's app id."""
 
 
-#: table versions after which a writer loads its table afresh. Measured on local disk with
+#: delta.checkpointInterval when a table sets none (deltalake's default). A writer loads its
+#: table afresh once a checkpoint is newer than its load. Measured on local disk with
 #: deltalake 1.6 at ~1,000 files: an append took 56 ms from a table object updated since
 #: version 0, 11-18 ms reloaded every 100 versions, and a reload 5-7 ms.
-RELOAD_EVERY = 50
+CHECKPOINT_INTERVAL = 100
 
 
 class LakeWriter:
@@ -97,6 +99,8 @@ class LakeWriter:
         self.seq = committed
         self._seen = self._dt.version()  # the log up to here holds no commit of ours after ``seq``
         self._loaded = self._seen
+        interval = self._dt.metadata().configuration.get("delta.checkpointInterval")
+        self._checkpoint_interval = int(interval) if interval else CHECKPOINT_INTERVAL
         if self._skip:
             log.info("%s: %d rows committed after the snapshot will be skipped on replay", app_id, len(self._skip))
 
@@ -171,8 +175,8 @@ class LakeWriter:
                 write_deltalake(self._dt, rows, mode="append", commit_properties=props)
         self.seq = seq
         self._seen = self._dt.version()
-        if self._seen - self._loaded >= RELOAD_EVERY:
-            self._dt = self.lake.table(self.table_name)
+        if self._seen // self._checkpoint_interval > self._loaded // self._checkpoint_interval:
+            self._dt = self.lake.table(self.table_name)  # from the checkpoint just written
             self._loaded = self._dt.version()
         metrics.COMMIT_SECONDS.labels(self.table_name).observe(time.perf_counter() - started)
         return rows

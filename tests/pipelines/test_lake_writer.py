@@ -234,14 +234,14 @@ def test_a_lake_made_before_the_metadata_column_is_upgraded_in_place(tmp_path: P
 
 
 def test_writers_that_reload_their_table_stay_exactly_once(lake: Lake, monkeypatch, transaction_version_calls) -> None:
-    """A writer loads its table afresh every few versions (an append costs deltalake time in
+    """A writer loads its table afresh after each checkpoint (an append costs deltalake time in
     proportion to the commits its table object replayed): across reloads, with another
     writer in between, each commit's version is its own, nothing is lost or doubled, no
     reload sends the writer back to ``transaction_version``, and a second writer with the
     same app id is still refused."""
     import pipelines.lake_writer as lake_writer
 
-    monkeypatch.setattr(lake_writer, "RELOAD_EVERY", 3)
+    monkeypatch.setattr(lake_writer, "CHECKPOINT_INTERVAL", 3)
     a, b = LakeWriter(lake, DEAD_LETTERS, "a", None), LakeWriter(lake, DEAD_LETTERS, "b", None)
     first_table = a._dt
     versions = []
