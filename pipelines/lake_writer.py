@@ -176,10 +176,18 @@ class LakeWriter:
         self.seq = seq
         self._seen = self._dt.version()
         if self._seen // self._checkpoint_interval > self._loaded // self._checkpoint_interval:
-            self._dt = self.lake.table(self.table_name)  # from the checkpoint just written
-            self._loaded = self._dt.version()
+            self._reload()
         metrics.COMMIT_SECONDS.labels(self.table_name).observe(time.perf_counter() - started)
         return rows
+
+    def _reload(self) -> None:
+        """Load the table afresh, from the checkpoint just written. The commit has landed: a
+        failure here only keeps the old table object (and its cost) until the next checkpoint."""
+        try:
+            self._dt = self.lake.table(self.table_name)
+        except Exception as exc:  # noqa: BLE001 - the object store hiccuped; the commit stands
+            log.warning("%s: cannot reload table %s (keeping the loaded one): %s", self.app_id, self.table_name, exc)
+        self._loaded = self._seen
 
     def _landed(self) -> int:
         """This app id's last committed seq, from the commits since the last one we saw."""

@@ -260,3 +260,23 @@ def test_writers_that_reload_their_table_stay_exactly_once(lake: Lake, monkeypat
     intruder.write(letters(99))
     with pytest.raises(ConcurrentWriterError, match="two jobs share one lake writer id"):
         a.write(letters(100))
+
+
+def test_a_failed_reload_keeps_the_commit_and_the_writer(lake: Lake, monkeypatch) -> None:
+    """The reload after a checkpoint comes after the commit landed: an object store error
+    there must not fail the commit (the job would stop and replay it)."""
+    import pipelines.lake_writer as lake_writer
+
+    monkeypatch.setattr(lake_writer, "CHECKPOINT_INTERVAL", 2)
+    w = LakeWriter(lake, DEAD_LETTERS, "a", None)
+    real = Lake.table
+
+    def flaky(self: Lake, name: str, version: int | None = None):  # type: ignore[no-untyped-def]
+        raise OSError("the object store said no")
+
+    monkeypatch.setattr(Lake, "table", flaky)
+    for i in range(4):
+        assert w.write(letters(i)).num_rows == 1
+    monkeypatch.setattr(Lake, "table", real)
+    w.write(letters(4))
+    assert offsets(lake) == [0, 1, 2, 3, 4] and w.seq == 5
