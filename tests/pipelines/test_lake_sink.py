@@ -54,6 +54,14 @@ def batch(*ns: int) -> list[pa.Table]:
     return [pa.table({"n": list(ns)})]
 
 
+def committing(writer: SlowWriter) -> None:
+    """Wait until the commit thread is inside a commit (it took what was pending)."""
+    deadline = time.monotonic() + 10
+    while writer.busy == 0:
+        assert time.monotonic() < deadline, "the commit thread never started a commit"
+        time.sleep(0.001)
+
+
 def in_thread(fn: Callable[[], Any]) -> threading.Thread:
     t = threading.Thread(target=fn, daemon=True)
     t.start()
@@ -64,6 +72,7 @@ def test_the_worker_goes_on_while_a_commit_is_in_flight() -> None:
     writer = SlowWriter()
     part = _LakePartition(writer, None)  # type: ignore[arg-type]
     part.write_batch(batch(1, 2))  # returns although the commit cannot finish yet
+    committing(writer)
     part.write_batch(batch(3))  # and so do the batches after it
     part.write_batch(batch(4, 5))
     assert writer.committed == []
@@ -81,6 +90,7 @@ def test_the_worker_waits_once_enough_rows_are_held() -> None:
     writer = SlowWriter()
     part = _LakePartition(writer, None, max_pending_rows=3)  # type: ignore[arg-type]
     part.write_batch(batch(1))  # in flight
+    committing(writer)
     part.write_batch(batch(2, 3, 4))  # held: 3 rows
     blocked = in_thread(lambda: part.write_batch(batch(5)))
     blocked.join(0.3)
@@ -112,6 +122,7 @@ def test_a_failed_commit_is_raised_in_the_worker(then: str) -> None:
     writer = SlowWriter(fail_on=1)
     part = _LakePartition(writer, None)  # type: ignore[arg-type]
     part.write_batch(batch(1))  # in flight: will fail
+    committing(writer)
     part.write_batch(batch(2))  # held for the next commit
     writer.gate.set()
     with pytest.raises(OSError, match="object store said no"):
