@@ -517,7 +517,7 @@ class Changes:
         """(lags, search latencies of one client searching meanwhile) for changes made at
         ``rate``/s (the stream's rate by default); with ``timing`` off, no change is searched for."""
         rate = rate or self.rate
-        every = timed_every(rate) if timing else len(plan) + 1
+        every = timed_every(rate)
         stop = threading.Event()
         during: list[float] = []
         rng = random.Random(5)
