@@ -262,6 +262,21 @@ class KeywordIndex:
         keys = searcher.fast_field_values("key", [address for _, address in hits])
         return [Match(int(key or 0), float(score)) for (score, _), key in zip(hits, keys, strict=True)]
 
+    def keys_of(self, chunk_ids: Sequence[str]) -> list[int]:
+        """The keys of the index rows of these chunks (tail rows carry no chunk id)."""
+        if not chunk_ids:
+            return []
+        searcher = self.searcher
+        query = tantivy.Query.term_set_query(SCHEMA, "chunk", list(chunk_ids))
+        limit = 2 * len(chunk_ids) + 16  # a chunk has one row per build it is in (base and delta)
+        while True:
+            hits = searcher.search(query, limit, count=False).hits
+            if len(hits) < limit:
+                break
+            limit *= 4
+        keys = searcher.fast_field_values("key", [address for _, address in hits])
+        return [int(key) for key in keys if key is not None]
+
     @property
     def docs(self) -> int:
         return int(self.searcher.num_docs)

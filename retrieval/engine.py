@@ -151,7 +151,7 @@ class SearchEngine(Views):
                 query,
                 depth,
                 principal.groups,
-                allow if where is not None or tail.supersedes_any else None,
+                allow if where is not None else None,
                 tail_allowed,
             )
             metrics.SEARCH_SECONDS.labels("keyword").observe(time.perf_counter() - t)

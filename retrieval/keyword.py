@@ -8,17 +8,19 @@ found by keyword as soon as the tail has it, and at work proportional to the new
 
 What a caller may see is decided exactly as for dense search. Inside tantivy's scan: the
 caller's groups (ACL terms). Then an index row must be live in the version (an incremental
-build's dead rows: a small file per shard) and, when the tail has superseded any index
-rows or the request has a metadata filter, pass the dense path's shard masks (memoised per
-shard and tail version; only then are the matching rows' shards opened: a keyword query
-otherwise moves no shard bytes until its results are read); a tail row must be in the
-snapshot (``as_of`` snapshots see a prefix), the newest version of its chunk, visible and
-matching. When too few candidates pass, the search widens (4× deeper, up to every match),
-so a caller who can see ``depth`` matches gets them.
+build's dead rows: a small file per shard) and not superseded at the snapshot's version:
+each copy notes, as the tail's commits arrive, the keys of the index rows whose chunks they
+changed (one lookup by chunk id per changed chunk, on the tail's thread) and the version
+from which each is stale, so ``as_of`` snapshots of the same log see the rows current then.
+Only a metadata filter opens the matching rows' shards (the metadata is in their id maps):
+a keyword query otherwise moves no shard bytes until its results are read. A tail row must
+be in the snapshot (``as_of`` snapshots see a prefix), the newest version of its chunk,
+visible and matching. When too few candidates pass, the search widens (4× deeper, up to
+every match), so a caller who can see ``depth`` matches gets them.
 
 Superseded index rows are not excluded inside tantivy's scan (a term set of their chunk
 ids): that cost every query time in proportion to the tail (0.25 ms for 10 chunk ids,
-0.65 ms for 100, on 300 documents), where the shard masks cost one lookup per candidate.
+0.65 ms for 100, on 300 documents), where the noted keys cost one lookup per candidate.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from retrieval.tail import TailLog, TailState
 
 log = logging.getLogger(__name__)
 
+NEVER = np.iinfo(np.int64).max
+
 #: the first keyword search fetches depth + this many candidates before widening: ACLs are
 #: filtered inside the scan, so only superseded or dead index rows, a tail row's newer
 #: versions and metadata filters can reject one
@@ -59,29 +63,42 @@ SLACK = 16
 class _Copy:
     """One working copy: the version's keyword index, its delta rows, and tail rows [0, rows)."""
 
-    def __init__(self, index: KeywordIndex) -> None:
+    def __init__(self, index: KeywordIndex, base_version: int) -> None:
         self.index = index
         self.rows = 0
+        #: index row key → the lake version from which a newer version of its chunk supersedes it,
+        #: for the tail's commits up to ``stale_upto`` (one lookup by chunk id per newly changed chunk)
+        self.stale: dict[int, int] = {}
+        self.stale_upto = base_version
         self.lock = threading.Lock()
         self._cleanup = weakref.finalize(self, _remove, index.path)
 
     def sync(self, tail: TailState) -> None:
-        """Add the snapshot's tail rows this copy lacks (deletes carry no text: not indexed)."""
-        if self.rows >= tail.n:
+        """Add the snapshot's tail rows this copy lacks (deletes carry no text: not indexed), and
+        note which index rows its commits superseded."""
+        if self.rows >= tail.n and self.stale_upto >= tail.version:
             return
         with self.lock:
             start = self.rows
-            if start >= tail.n:
-                return
-            rows = tail.table.slice(start, tail.n - start).select(["op", "title", "text", "acl"]).to_pydict()
-            self.index.add(
-                document(TAIL | (start + j), title, text, acl)
-                for j, (op, title, text, acl) in enumerate(
-                    zip(rows["op"], rows["title"], rows["text"], rows["acl"], strict=True)
+            if start < tail.n:
+                rows = tail.table.slice(start, tail.n - start).select(["op", "title", "text", "acl"]).to_pydict()
+                self.index.add(
+                    document(TAIL | (start + j), title, text, acl)
+                    for j, (op, title, text, acl) in enumerate(
+                        zip(rows["op"], rows["title"], rows["text"], rows["acl"], strict=True)
+                    )
+                    if op == "upsert"
                 )
-                if op == "upsert"
-            )
-            self.rows = tail.n
+                self.rows = tail.n
+            if self.stale_upto < tail.version:
+                for version, chunk_ids in tail.superseding(self.stale_upto):
+                    for key in self.index.keys_of(chunk_ids):
+                        self.stale.setdefault(key, version)
+                self.stale_upto = tail.version
+
+    def current(self, key: int, version: int) -> bool:
+        """Whether index row ``key`` is still its chunk's newest version at lake ``version``."""
+        return self.stale.get(key, NEVER) > version
 
 
 class _Slot:
@@ -173,7 +190,7 @@ class KeywordCopies:
                     with self._lock:
                         self._making += 1
                     try:
-                        found = slot.copy = self._make(reader)
+                        found = slot.copy = self._make(reader, tail.base_version)
                     finally:
                         with self._lock:
                             self._making -= 1
@@ -231,12 +248,12 @@ class KeywordCopies:
         with self._dirs:
             self.in_memory -= held
 
-    def _make(self, reader: IndexReader) -> _Copy:
+    def _make(self, reader: IndexReader, base_version: int) -> _Copy:
         manifest = reader.manifest
         pristine = fetch_pristine(reader.store, manifest.keyword, self.root, self._checked)
         where, held = self._place(pristine)
         try:
-            copy = _Copy(working_copy(pristine, where))
+            copy = _Copy(working_copy(pristine, where), base_version)
         except BaseException:
             self._release(held)
             raise
@@ -272,7 +289,7 @@ def keyword_search(
     tail_allowed: np.ndarray,
 ) -> list[Candidate]:
     """The ``depth`` best keyword matches the caller may see, best first (``allow``: the dense
-    path's shard masks, None when they would allow every live row)."""
+    path's shard masks when a metadata filter needs them, else None)."""
     wanted, names = terms(query), query_names(query)
     if not wanted and not names:
         return []
@@ -280,17 +297,23 @@ def keyword_search(
     limit = depth + SLACK
     while True:
         matches = copy.index.search(wanted, groups, limit, names)
-        found = list(_visible(reader, tail, matches, allow, tail_allowed))
+        found = list(_visible(reader, tail, copy, matches, allow, tail_allowed))
         if len(found) >= depth or len(matches) < limit:
             return found[:depth]
         limit *= 4
 
 
 def _visible(
-    reader: IndexReader, tail: TailState, matches: list[Match], allow: Allow | None, tail_allowed: np.ndarray
+    reader: IndexReader,
+    tail: TailState,
+    copy: _Copy,
+    matches: list[Match],
+    allow: Allow | None,
+    tail_allowed: np.ndarray,
 ) -> Iterator[Candidate]:
+    matches = [m for m in matches if m.key & TAIL or copy.current(m.key, tail.version)]
     shards = {m.key >> 32 for m in matches if not m.key & TAIL}
-    if allow is not None:  # superseded rows or a metadata filter: both need the shards' id maps
+    if allow is not None:  # a metadata filter: only the shards' id maps hold the metadata
         masks = {s: reader.row_mask(s, shard, allow) for s, shard in reader.shards(shards).items()}
     else:
         masks = {s: reader.alive(s) for s in shards}

@@ -32,7 +32,7 @@ from indexing.manifest import ManifestError, load_manifest, publish
 from indexing.snapshot import plan
 from indexing.store import LocalStore
 from pipelines.storage import ObjectStoreSettings
-from retrieval.acl import Principal
+from retrieval.acl import ANONYMOUS, Principal
 from retrieval.cache import ShardCache
 from retrieval.engine import SearchEngine
 from retrieval.errors import SearchError
@@ -292,6 +292,26 @@ def test_as_of_interleaved_with_live_keyword_queries(setup) -> None:  # type: ig
         assert ids(engine.search("walrus", k=5, as_of=before - 1, mode="keyword")) == []
 
 
+def test_a_snapshot_taken_before_an_update_keeps_the_index_row_it_had(setup) -> None:  # type: ignore[no-untyped-def]
+    """The copy notes superseded index rows by the version that superseded them: a query that
+    took its snapshot before the update (still running when the tail moved on) sees the old
+    row, one after it sees only the new, and neither sees both or neither."""
+    engine, lake, docs = setup
+    old, new = docs[42], Doc(42, "os.replace now documents xylophone behaviour")
+    held = engine.current_view()
+
+    def held_search(query: str) -> list[str]:
+        return ids(engine.search_view(held, query, None, 50, ANONYMOUS, False, None, "keyword"))
+
+    assert old.chunk_id in held_search(old.text)
+    lake.write([old], op="delete")  # an update, as the ingest job writes one: its old chunk goes
+    lake.write([new])
+    engine._tail.poll()
+    assert ids(engine.search("xylophone", k=3, mode="keyword")) == [new.chunk_id]
+    assert old.chunk_id in held_search(old.text) and held_search("xylophone") == []
+    assert old.chunk_id not in ids(engine.search(old.text, k=50, mode="keyword"))
+
+
 def test_incremental_versions_add_their_delta_rows_and_drop_their_dead_rows(tmp_path: Path, ray_local: None) -> None:
     lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
     docs = corpus()
@@ -391,8 +411,9 @@ def test_the_tail_thread_adds_new_rows_to_the_keyword_copy_before_a_query(tmp_pa
 
 
 def test_a_keyword_query_opens_only_the_shards_of_its_results(tmp_path: Path, ray_local: None) -> None:
-    """ACLs and superseded rows are filtered inside tantivy's scan: no shard is opened to
-    decide what a caller may see, only to read the results (a metadata filter needs them)."""
+    """ACLs are filtered inside tantivy's scan and superseded rows by the keys the copy noted
+    from the tail: no shard is opened to decide what a caller may see, only to read the
+    results (a metadata filter needs them)."""
     lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
     docs = corpus()
     lake.write(docs)
@@ -423,7 +444,7 @@ def test_making_one_views_copy_does_not_block_another_views_queries(tmp_path: Pa
         def sync(self, tail: object) -> None:
             pass
 
-    def make(reader: Stub) -> Stub:
+    def make(reader: Stub, base_version: int) -> Stub:
         made.append(reader.manifest.build_id)
         if reader.manifest.build_id == "old":
             assert release.wait(30)
@@ -435,7 +456,7 @@ def test_making_one_views_copy_does_not_block_another_views_queries(tmp_path: Pa
         pass
 
     log = Log()
-    tail = SimpleNamespace(log=log, n=0)
+    tail = SimpleNamespace(log=log, n=0, base_version=0)
     old = threading.Thread(target=copies.copy_for, args=(Stub("old"), tail))
     twin = threading.Thread(target=copies.copy_for, args=(Stub("old"), tail))
     old.start()
