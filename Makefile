@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	if ! $(PYTHON) -c 'import venv, ensurepip' >/dev/null 2>&1; then \
 	  echo "installing python3-venv (apt)"; apt-get update -qq && apt-get install -y -qq python3-venv python3-dev; \
 	fi; \
+	if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then \
+	  echo "installing postgresql (apt): the source database of the demo and the tests"; \
+	  apt-get update -qq && apt-get install -y -qq postgresql; \
+	fi; \
 	if ! command -v c++ >/dev/null 2>&1; then \
 	  echo "installing a C/C++ compiler for llama-cpp-python (apt)"; apt-get update -qq && apt-get install -y -qq build-essential; \
 	fi; \

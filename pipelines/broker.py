@@ -86,9 +86,15 @@ def _wait_listening(proc: subprocess.Popen[bytes], host: str, port: int, timeout
     raise BrokerError(f"Tansu did not listen on {host}:{port} within {timeout_s}s.")
 
 
-def ensure_topics(bootstrap: str, topics: list[str], partitions: int = 1, timeout_s: float = 10.0) -> None:
-    """Create missing topics (idempotent)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+def ensure_topics(
+    bootstrap: str,
+    topics: list[str],
+    partitions: int = 1,
+    timeout_s: float = 10.0,
+    config: dict[str, str] | None = None,
+) -> None:
+    """Create missing topics (idempotent; ``config``: librdkafka client properties)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap, **(config or {})})
     existing = set(admin.list_topics(timeout=timeout_s).topics)
     missing = [t for t in topics if t not in existing]
     if not missing:

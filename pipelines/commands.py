@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -28,6 +29,47 @@ def add_commands(sub: Any) -> None:
     p.add_argument("file", type=Path, metavar="FILE.jsonl")
     add_kafka_config_arg(p)
     p.set_defaults(func=cmd_produce)
+
+    p = sub.add_parser("cdc", help="change-data-capture sources that publish Debezium events")
+    cdc = p.add_subparsers(dest="source", required=True)
+    p = cdc.add_parser(
+        "postgres",
+        help="snapshot, then stream a logical replication slot's changes as Debezium events (pgoutput)",
+        description="Publishes every table of a publication to <topic-prefix>.<schema>.<table>: first a "
+        "consistent snapshot (op r), then each change (c/u/d, tombstones, t for TRUNCATE). The slot's position "
+        "moves only after Kafka acknowledged the events before it, so a restart re-sends at most the "
+        "unacknowledged transactions (the ingest job skips them by position).",
+    )
+    p.add_argument(
+        "--dsn",
+        default=os.environ.get("STREAMRAG_PG_DSN"),
+        help="libpq connection string (default $STREAMRAG_PG_DSN; a password is better in $PGPASSWORD)",
+    )
+    p.add_argument("--publication", required=True, help="CREATE PUBLICATION <name> FOR TABLE …")
+    p.add_argument("--slot", required=True, help="logical replication slot (created with the snapshot)")
+    p.add_argument("--bootstrap", required=True, metavar="H:P")
+    add_kafka_config_arg(p)
+    p.add_argument("--topic-prefix", help="topics are <prefix>.<schema>.<table> (default cdc.<database>)")
+    p.add_argument("--partitions", type=int, default=2, help="partitions of topics the source creates (2)")
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(".streamrag/cdc"),
+        help="where the source notes a completed snapshot (<slot>.json; default .streamrag/cdc)",
+    )
+    p.add_argument("--snapshot-batch-rows", type=int, default=1000, help="rows read per fetch in the snapshot")
+    p.add_argument(
+        "--flush-interval-ms",
+        type=float,
+        default=50,
+        help="how often deliveries are awaited and the slot's position confirmed (50)",
+    )
+    p.add_argument(
+        "--resnapshot",
+        action="store_true",
+        help="drop the slot and snapshot again (after a slot was lost: rows deleted meanwhile are not deleted)",
+    )
+    p.set_defaults(func=cmd_cdc_postgres)
 
     p = sub.add_parser("ingest", help="run the streaming job: Kafka CDC topics → chunks → lake")
     p.add_argument("--bootstrap", required=True, metavar="H:P")
@@ -149,6 +191,35 @@ def cmd_produce(args: argparse.Namespace) -> int:
     n = produce_file(args.bootstrap, args.topic, args.file, kafka_config(args.kafka_config))
     print(f"produced {n} messages to {args.topic}")
     return 0
+
+
+def cmd_cdc_postgres(args: argparse.Namespace) -> int:
+    from pipelines.pgsource import SourceError, SourceOptions, run_source
+
+    if not args.dsn:
+        print("error: --dsn (or $STREAMRAG_PG_DSN) is required", file=sys.stderr)
+        return 2
+    if args.partitions < 1 or args.snapshot_batch_rows < 1 or args.flush_interval_ms <= 0:
+        print("error: --partitions and --snapshot-batch-rows must be >= 1, --flush-interval-ms > 0", file=sys.stderr)
+        return 2
+    options = SourceOptions(
+        dsn=args.dsn,
+        publication=args.publication,
+        slot=args.slot,
+        bootstrap=args.bootstrap,
+        topic_prefix=args.topic_prefix,
+        state_dir=args.state_dir,
+        kafka_config=kafka_config(args.kafka_config),
+        snapshot_batch_rows=args.snapshot_batch_rows,
+        flush_interval_s=args.flush_interval_ms / 1000,
+        resnapshot=args.resnapshot,
+        partitions=args.partitions,
+    )
+    try:
+        return run_source(options)
+    except SourceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:

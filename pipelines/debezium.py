@@ -25,6 +25,8 @@ from pipelines.mapping import MappingConfig, MappingError, key_string
 from pipelines.records import ChangeEvent, DeadLetter, KafkaCoordinates
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+#: a header a source sets on a change it could not represent (``pipelines.pgsource``): its value says why
+SOURCE_ERROR_HEADER = "streamrag-error"
 
 _OPS = {"c": "upsert", "r": "upsert", "u": "upsert", "d": "delete"}
 
@@ -41,6 +43,10 @@ def decode(
     headers: tuple[tuple[str, bytes], ...] = (),
 ) -> ChangeEvent | DeadLetter:
     """Decode one Kafka message. Never raises: bad input comes back as a DeadLetter."""
+    for name, reason in headers:
+        if name == SOURCE_ERROR_HEADER:
+            why = f"the source could not represent this change: {_text(reason)}"
+            return DeadLetter(kafka, key, value, why, headers)
     try:
         return _decode(key, value, kafka, mappings)
     except (DecodeError, MappingError) as exc:
@@ -87,6 +93,10 @@ def _decode(key: bytes | None, value: bytes | None, kafka: KafkaCoordinates, map
     pk = _primary_key(key_obj, after, mapping.id_columns)
     title, text, acl, metadata = mapping.document(after)
     return ChangeEvent(table, pk, "upsert", position, kafka, ts_ms, title, text, acl, metadata)
+
+
+def _text(raw: bytes | None) -> str:
+    return (raw or b"").decode("utf-8", "replace")[:1000]
 
 
 def unwrap(obj: Any) -> Any:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.pgcluster import LocalPostgres
 from serving.embedder import Embedder
 from serving.fake_embedder import FakeEmbedder
 
@@ -98,6 +99,15 @@ def broker() -> Iterator[str]:
     yield f"127.0.0.1:{port}"
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[LocalPostgres]:
+    """A real Postgres (Debian's, installed by make) as an unprivileged local cluster with
+    ``wal_level = logical``; each test makes its own database (``new_database``)."""
+    server = LocalPostgres(durable=False).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,183 @@
+"""The Postgres source against a real Postgres and the real broker: what it publishes is
+what the ingest job decodes as Debezium's, and a lake fed by it equals the database."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from pipelines.debezium import decode
+from pipelines.lake import Lake
+from pipelines.mapping import MappingConfig
+from pipelines.pgsource import PostgresSource, SourceError, SourceOptions
+from pipelines.records import ChangeEvent, DeadLetter, KafkaCoordinates
+from tests.integration.helpers import cli, ingest_args, kill_group, start
+from tests.integration.test_ingest import chunker_for
+from tests.oracle import assert_lake_matches
+from tests.pgdb import Database, new_database
+
+pytestmark = pytest.mark.integration
+
+
+def read_topic(bootstrap: str, topic: str, idle: float = 2.0, timeout: float = 30) -> list[Any]:
+    """Every message on a topic (both partitions), in offset order per partition."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "pgtest", "enable.auto.commit": False})
+    meta = consumer.list_topics(topic, timeout=10).topics[topic]
+    consumer.assign([TopicPartition(topic, p, 0) for p in meta.partitions])
+    out = []
+    last = time.monotonic()
+    deadline = last + timeout
+    while time.monotonic() - last < idle and time.monotonic() < deadline:
+        msg = consumer.poll(0.2)
+        if msg is None or msg.error():
+            continue
+        last = time.monotonic()
+        out.append(msg)
+    consumer.close()
+    return out
+
+
+def decoded(bootstrap: str, topic: str) -> list[ChangeEvent | DeadLetter]:
+    found = []
+    for m in read_topic(bootstrap, topic):
+        coords = KafkaCoordinates(m.topic(), m.partition(), m.offset())
+        found.append(decode(m.key(), m.value(), coords, MappingConfig(), tuple(m.headers() or ())))
+    return found
+
+
+class Running:
+    """The source on a thread (stop() for a clean stop)."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        self.source = PostgresSource(options)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.source.run()
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            self.error = exc
+
+    def wait_sent(self, count: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.source.sent < count and time.monotonic() < deadline and self.error is None:
+            time.sleep(0.05)
+        assert self.error is None and self.source.sent >= count, (self.error, self.source.sent)
+
+    def stop(self) -> None:
+        self.source.stop()
+        self.thread.join(30)
+        self.source.close()
+        assert self.error is None, self.error
+
+
+def options(db: Database, broker: str, tmp_path: Path, **extra: Any) -> SourceOptions:
+    return SourceOptions(db.dsn, "streamrag", f"slot_{db.name}", broker, state_dir=tmp_path / "state", **extra)
+
+
+def test_snapshot_then_changes_decode_as_debeziums(postgres, broker: str, tmp_path: Path) -> None:
+    db = new_database(postgres)
+    db.execute("INSERT INTO docs VALUES (1, 'One', 'first body', '{}'), (2, 'Two', 'second', '{hr}'), "
+               "(3, 'Three', 'third', '{}')")  # fmt: skip
+    db.execute("CREATE TABLE shapes (id int PRIMARY KEY, title text, body text, acl text[], p point)")
+    running = Running(options(db, broker, tmp_path))
+    running.wait_sent(3)
+    db.execute("UPDATE docs SET body = 'first body, edited' WHERE id = 1")  # may land at the slot's very LSN
+    db.execute("DELETE FROM docs WHERE id = 2")
+    db.execute("UPDATE docs SET id = 30 WHERE id = 3")  # a new primary key: d + tombstone + c
+    db.execute("INSERT INTO shapes VALUES (1, 't', 'b', '{}', point(1, 2))")  # no JSON form: a dead letter
+    db.execute("TRUNCATE shapes")
+    running.wait_sent(3 + 1 + 2 + 3 + 2)
+    running.stop()
+
+    events = decoded(broker, f"cdc.{db.name}.public.docs")
+    by_pk: dict[str, list[ChangeEvent]] = {}
+    for e in events:
+        assert isinstance(e, ChangeEvent), e
+        by_pk.setdefault(e.source_pk, []).append(e)
+    one = by_pk["1"]
+    assert [e.op for e in one] == ["upsert", "upsert"] and one[1].text.endswith("first body, edited")
+    assert one[0].position is not None and one[1].position is not None and one[0].position < one[1].position
+    two = by_pk["2"]
+    assert [(e.op, e.tombstone) for e in two] == [("upsert", False), ("delete", False), ("delete", True)]
+    assert two[0].acl == ("hr",)
+    assert [(e.op, e.tombstone) for e in by_pk["3"]] == [("upsert", False), ("delete", False), ("delete", True)]
+    assert [e.op for e in by_pk["30"]] == ["upsert"] and by_pk["30"][0].title == "Three"
+
+    shapes = decoded(broker, f"cdc.{db.name}.public.shapes")
+    assert len(shapes) == 2 and all(isinstance(s, DeadLetter) for s in shapes)
+    assert "column 'p': type point" in shapes[0].error and "op 't'" in shapes[1].error  # type: ignore[union-attr]
+    raw = json.loads(read_topic(broker, f"cdc.{db.name}.public.docs")[0].value())
+    assert raw["source"]["connector"] == "postgresql" and raw["source"]["snapshot"] in ("true", "last")
+    assert raw["op"] == "r" and raw["source"]["db"] == db.name and raw["source"]["table"] == "docs"
+
+
+def test_a_restart_streams_what_changed_while_it_was_down_without_a_new_snapshot(
+    postgres, broker: str, tmp_path: Path
+) -> None:
+    db = new_database(postgres)
+    db.execute("INSERT INTO docs VALUES (1, 'One', 'a', '{}')")
+    running = Running(options(db, broker, tmp_path))
+    running.wait_sent(1)
+    running.stop()
+    db.execute("UPDATE docs SET body = 'b' WHERE id = 1")  # while the source is down: the slot keeps it
+    db.execute("INSERT INTO docs VALUES (2, 'Two', 'c', '{}')")
+    running = Running(options(db, broker, tmp_path))
+    running.wait_sent(2)
+    time.sleep(0.5)
+    running.stop()
+    events = [e for e in decoded(broker, f"cdc.{db.name}.public.docs") if isinstance(e, ChangeEvent)]
+    assert sorted((e.source_pk, e.text.split("\n")[-1]) for e in events) == [("1", "a"), ("1", "b"), ("2", "c")]
+
+
+def test_a_lost_slot_after_the_snapshot_is_refused_not_silently_resnapshotted(
+    postgres, broker: str, tmp_path: Path
+) -> None:
+    db = new_database(postgres)
+    running = Running(options(db, broker, tmp_path))
+    time.sleep(1)
+    running.stop()
+    db.execute("SELECT pg_drop_replication_slot(%s)", (f"slot_{db.name}",))
+    source = PostgresSource(options(db, broker, tmp_path))
+    with pytest.raises(SourceError, match="is gone"):
+        source.run()
+    source.close()
+
+
+def test_sql_through_the_source_and_the_ingest_job_gives_a_lake_equal_to_the_database(
+    postgres, broker: str, real_embedder, tmp_path: Path
+) -> None:
+    """The CLI as a user runs it: ``cdc postgres`` and ``ingest`` side by side, SQL changes
+    (inserts, updates, an ACL change, deletes, a re-created row) while both run."""
+    db = new_database(postgres)
+    db.execute("INSERT INTO docs SELECT g, 'Doc ' || g, 'Body of document ' || g || '. It talks about topic '"
+               " || (g % 7) || '.', CASE WHEN g % 5 = 0 THEN '{hr}'::text[] ELSE '{}' END "
+               "FROM generate_series(1, 40) g")  # fmt: skip
+    topic = f"cdc.{db.name}.public.docs"
+    log = tmp_path / "source.log"
+    source = start(["cdc", "postgres", "--dsn", db.dsn, "--publication", "streamrag", "--slot", f"s_{db.name}",
+                    "--bootstrap", broker, "--state-dir", str(tmp_path / "state")], None, log)  # fmt: skip
+    try:
+        for i in range(1, 41, 3):
+            db.execute("UPDATE docs SET body = body || ' Edited.' WHERE id = %s", (i,))
+        db.execute("UPDATE docs SET acl = '{ops}' WHERE id = 2")
+        db.execute("DELETE FROM docs WHERE id IN (5, 6, 7)")
+        db.execute("INSERT INTO docs VALUES (6, 'Doc 6 again', 'A new life for six.', '{}')")
+        db.execute("BEGIN; UPDATE docs SET title = 'Doc 8 renamed' WHERE id = 8; DELETE FROM docs WHERE id = 9; COMMIT")
+        lake_dir = tmp_path / "lake"
+        out = cli(*ingest_args(broker, topic, str(lake_dir), tmp_path / "recovery", idle=6))
+        assert out.returncode == 0, out.stderr[-3000:]
+    finally:
+        kill_group(source)
+    lake = Lake.at(str(lake_dir))
+    expected = SimpleNamespace(expected=db.docs(), malformed=0)
+    assert_lake_matches(lake, expected, chunker_for(real_embedder, str(lake_dir)))  # type: ignore[arg-type]
