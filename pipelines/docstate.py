@@ -12,14 +12,18 @@ Pure functions over a small state, used by the keyed stateful step of the flow:
   nothing. Only new content is embedded: moved and re-permissioned chunks keep their
   content hash, and the embedder reuses their vectors (see ``pipelines.embedding``);
 - a delete emits delete rows for every live chunk; a Kafka tombstone deletes a document
-  only if it is still live (normally its delete event came first).
+  only if it is still live (normally its delete event came first: a tombstone alone means
+  log compaction removed the delete) and the event before it was not a replayed delete. A
+  source that restarts re-sends its unacknowledged tail (delete, tombstone, re-create, then
+  delete and tombstone again): the replayed delete is stale, and its tombstone must not
+  delete the row re-created after it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pipelines.chunking import Chunker
@@ -44,6 +48,8 @@ class DocState:
     #: when a deleted document's state was made (wall clock, ms): it expires a retention later
     #: (``pipelines.flow._DocLogic``)
     deleted_at_ms: int | None = None
+    #: the last event was a stale (replayed) delete: the tombstone after it is its own, not news
+    replayed_delete: bool = False
 
 
 def metadata_json(event: ChangeEvent) -> str | None:
@@ -64,13 +70,20 @@ def apply_change(
 ) -> tuple[DocState | None, DocUpdate | None, Outcome]:
     """Apply one event to a document's state; return (state, update or None, outcome)."""
     if event.tombstone:
+        if state is not None and state.replayed_delete:
+            return replace(state, replayed_delete=False), None, "tombstone"
         if state is None or not state.live:
             return state, None, "tombstone"
         position = state.position + _TOMBSTONE_SUFFIX
     else:
         assert event.position is not None
         if state is not None and event.position <= state.position:
-            return state, None, "stale"
+            replayed = event.op == "delete"
+            return (
+                (state if state.replayed_delete == replayed else replace(state, replayed_delete=replayed)),
+                None,
+                "stale",
+            )
         position = event.position
 
     if event.op == "delete":

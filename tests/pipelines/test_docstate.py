@@ -102,6 +102,23 @@ def test_tombstone_alone_deletes_a_live_document(chunker: Chunker) -> None:
     assert update.versions[0].position > state.position
 
 
+def test_a_replayed_delete_and_its_tombstone_leave_the_re_created_row(chunker: Chunker) -> None:
+    """A source that restarts re-sends delete, tombstone, re-create, delete, tombstone: the
+    second delete is stale, and its tombstone must not delete the re-created row (the bug
+    a kill -9 of the Postgres source found)."""
+    tombstone = event(None, tombstone=True, op="delete")
+    state, _, _ = apply_change(None, event(10, "first life"), chunker)
+    state, _, _ = apply_change(state, event(20, op="delete"), chunker)
+    state, _, _ = apply_change(state, tombstone, chunker)
+    state, _, _ = apply_change(state, event(30, "second life"), chunker)
+    for replayed in (event(20, op="delete"), tombstone, event(30, "second life")):  # the replay
+        state, update, _ = apply_change(state, replayed, chunker)
+        assert update is None and state is not None and state.live
+    # a later tombstone alone (the delete compacted away) still deletes it
+    state, update, _ = apply_change(state, tombstone, chunker)
+    assert update is not None and [v.op for v in update.versions] == ["delete"]
+
+
 def test_delete_of_unknown_document_writes_nothing_but_remembers_position(chunker: Chunker) -> None:
     state, update, _ = apply_change(None, event(10, op="delete"), chunker)
     assert update is None and state is not None and not state.live
