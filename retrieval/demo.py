@@ -1,15 +1,17 @@
 """``streamrag demo``: the whole system on embedded defaults, on the Python 3.11 documentation.
 
-Every step runs the real command a user would run (``ingest``, ``index build``, ``serve``)
-as a child process against the embedded broker and a local lake:
+Every step runs the real command a user would run (``cdc postgres``, ``ingest``, ``index
+build``, ``serve``) as a child process against the embedded broker, a local Postgres and a
+local lake:
 
-1. publish the docs as Debezium snapshot events (``op: r``) of a ``docs`` table (a few
-   documents restricted to the ``staff`` group), ingest them, build the index, serve;
+1. load the docs into a ``docs`` table of a local Postgres (a few documents restricted to
+   the ``staff`` group); the Postgres source snapshots it and streams its changes to Kafka
+   as Debezium events; ingest them, build the index, serve;
 2. ask questions and print, for each, the extractive answer (the sources' own sentences, no
    model) and the generated one, both with their citations; search an exact API name in
    each mode (dense, keyword, hybrid);
-3. apply live changes (an update, a delete, a new document) and time how long each takes
-   to show in search, without a rebuild;
+3. apply live changes in SQL (an update, a delete, a new document) and time how long each
+   takes from its COMMIT to show in search, without a rebuild;
 4. print the lineage chain of one answer, and show that a caller outside ``staff`` never
    sees a restricted document's text (search, answer, lineage);
 5. print a summary and exit 0, or keep serving with ``--keep-running``.
@@ -35,7 +37,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from pipelines.envelopes import Op, envelope, produce_line
+from pipelines.pgcluster import LocalPostgres
 from retrieval.corpus import PYDOCS, Doc, load_pydocs
 
 TOPIC = "cdc.demo.public.docs"
@@ -88,11 +90,11 @@ def heading(text: str) -> None:
     say(f"\n== {text} " + "=" * max(0, 70 - len(text)))
 
 
-def event(op: Op, doc: Doc, lsn: int, acl: list[str] | None = None) -> str:
-    row = {"id": doc.id, "title": doc.title, "body": doc.body, "acl": acl or []}
-    deleted = op == "d"
-    value = envelope(op, None if deleted else row, {"id": doc.id} if deleted else None, lsn=lsn, db="demo")
-    return produce_line({"id": doc.id}, value)
+DOCS_TABLE = """
+CREATE TABLE docs (id text PRIMARY KEY, title text NOT NULL, body text NOT NULL, acl text[] NOT NULL DEFAULT '{}');
+ALTER TABLE docs REPLICA IDENTITY FULL;  -- updates and deletes carry the whole old row, as Debezium expects
+CREATE PUBLICATION streamrag FOR TABLE docs;
+"""
 
 
 @dataclass
@@ -102,7 +104,7 @@ class Demo:
     cli: list[str] = field(default_factory=lambda: [sys.executable, "-m", "retrieval.cli"])
     bootstrap: str = ""
     url: str = ""
-    lsn: int = 1000
+    db: Any = None  # a psycopg2 connection to the demo database (autocommit)
     timings: dict[str, float] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -127,12 +129,11 @@ class Demo:
             raise RuntimeError(f"`streamrag {' '.join(args[:2])}` failed:\n{out.stderr[-2000:]}")
         return out.stdout
 
-    def produce(self, lines: list[str], name: str) -> None:
-        from pipelines.kafka_io import produce_file
-
-        path = self.work / f"{name}.jsonl"
-        path.write_text("\n".join(lines) + "\n")
-        produce_file(self.bootstrap, TOPIC, path)
+    def sql(self, statement: str, args: Any = None) -> float:
+        """Run one statement in its own transaction; return when its COMMIT returned (monotonic)."""
+        with self.db.cursor() as cur:
+            cur.execute(statement, args)
+        return time.monotonic()
 
     def check_alive(self) -> None:
         for name, proc in self.procs.items():
@@ -222,7 +223,7 @@ def running(demo: Demo, keep: bool) -> Iterator[None]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pipelines.broker import ensure_topics, free_port, start_broker
+    from pipelines.broker import free_port, start_broker
 
     t_start = time.monotonic()
     docs = pick_docs(args.corpus, args.full, args.limit)
@@ -234,25 +235,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
         json.dumps({"tokens": {t: {"principal": p, "groups": g} for t, (p, g) in TOKENS.items()}})
     )
     with ExitStack() as stack:
-        heading("1. Start the dev broker and publish the docs table (Debezium snapshot events)")
+        heading("1. Start the dev broker, a local Postgres with the docs table, and the Postgres source")
+        import psycopg2
+        from psycopg2.extras import execute_values
+
         broker_port = free_port()
         broker = start_broker(broker_port)
         stack.callback(broker.wait, 10)
         stack.callback(broker.terminate)
         demo.bootstrap = f"127.0.0.1:{broker_port}"
-        ensure_topics(demo.bootstrap, [TOPIC], partitions=2)
+        postgres = LocalPostgres(durable=False).start()
+        stack.callback(postgres.stop)
+        admin = psycopg2.connect(postgres.dsn())
+        admin.autocommit = True
+        with admin.cursor() as cur:
+            cur.execute("CREATE DATABASE demo")
+        admin.close()
+        demo.db = psycopg2.connect(postgres.dsn("demo"))
+        demo.db.autocommit = True
+        stack.callback(demo.db.close)
         restricted = [d for d in docs if d.id in RESTRICTED]
-        lines = []
-        for doc in docs:
-            demo.lsn += 10
-            lines.append(event("r", doc, demo.lsn, ["staff"] if doc.id in RESTRICTED else []))
-        demo.produce(lines, "snapshot")
+        with demo.db.cursor() as cur:
+            cur.execute(DOCS_TABLE)
+            rows = [(d.id, d.title, d.body, ["staff"] if d.id in RESTRICTED else []) for d in docs]
+            execute_values(cur, "INSERT INTO docs (id, title, body, acl) VALUES %s", rows, page_size=500)
         say(
-            f"  {len(docs)} documents of {args.corpus} → {TOPIC} on {demo.bootstrap} "
+            f"  {len(docs)} documents of {args.corpus} → table docs of Postgres on 127.0.0.1:{postgres.port} "
             f"({len(restricted)} restricted to group 'staff': {', '.join(sorted(d.id for d in restricted)) or '-'})"
         )
-
         stack.enter_context(running(demo, args.keep_running))
+        demo.start("cdc", "cdc", "postgres", "--dsn", postgres.dsn("demo"), "--publication", "streamrag",
+                   "--slot", "demo", "--bootstrap", demo.bootstrap, "--state-dir", str(demo.work / "cdc"))  # fmt: skip
+        say(f"  streamrag cdc postgres: snapshot, then the slot's changes → {TOPIC} on {demo.bootstrap}")
+
         heading("2. Ingest: Kafka → Bytewax (decode, chunk, embed) → Delta lake")
         t0 = time.monotonic()
         ingest = ["ingest", "--bootstrap", demo.bootstrap, "--topic", TOPIC, "--lake", demo.lake,
@@ -332,7 +347,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"API ready {demo.timings['serve_ready_s']:.1f} s, answer p50 {demo.timings['answer_p50_s']:.1f} s"
         )
         say(
-            "  freshness (produce → visible in /v1/search): "
+            "  freshness (SQL COMMIT → visible in /v1/search): "
             + ", ".join(f"{k} {v:.2f} s" for k, v in freshness.items())
         )
         say(f"  total {time.monotonic() - t_start:.0f} s; logs and data under {demo.work}")
@@ -351,32 +366,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def live_changes(demo: Demo, docs: list[Doc]) -> dict[str, float]:
-    """Produce an update, a delete and an insert; time each until /v1/search reflects it."""
+    """An UPDATE, a DELETE and an INSERT in Postgres; time each from its COMMIT until /v1/search
+    reflects it (through the source, Kafka, the ingest job, the lake and the service's tail)."""
     out: dict[str, float] = {}
     target = next(d for d in docs if d.id not in RESTRICTED)
-    updated = Doc(target.id, target.title, f"{target.body}\n\n{MARKER}\n")
-    demo.lsn += 10
-    t0 = time.monotonic()
-    demo.produce([event("u", updated, demo.lsn)], "update")
+    t0 = demo.sql("UPDATE docs SET body = body || %s WHERE id = %s", (f"\n\n{MARKER}\n", target.id))
     wait_for("the update", lambda: any(MARKER in r["text"] for r in search_top(demo, MARKER, k=3)), 120, demo)
     out["update"] = time.monotonic() - t0
-    say(f"  updated {target.id}: the new sentence is found by search after {out['update']:.2f} s")
+    say(f"  UPDATE docs … WHERE id = '{target.id}': the new sentence is found by search after {out['update']:.2f} s")
 
     victim = next(d for d in reversed(docs) if d.id not in RESTRICTED and d.id != target.id)
     query = " ".join(victim.body.split()[:60])  # its opening: its first chunk is the top hit
     probe = search_top(demo, query, k=10)
-    demo.lsn += 10
-    t0 = time.monotonic()
-    demo.produce([event("d", victim, demo.lsn)], "delete")
+    t0 = demo.sql("DELETE FROM docs WHERE id = %s", (victim.id,))
     doc_id = f"public.docs/{victim.id}"
     wait_for("the delete", lambda: all(r["doc_id"] != doc_id for r in search_top(demo, query, k=10)), 120, demo)
     out["delete"] = time.monotonic() - t0
     hits_before = sum(r["doc_id"] == doc_id for r in probe)
-    say(f"  deleted {victim.id}: {hits_before} of its chunks were in the top 10, none after {out['delete']:.2f} s")
+    say(
+        f"  DELETE FROM docs WHERE id = '{victim.id}': {hits_before} of its chunks were in the top 10, "
+        f"none after {out['delete']:.2f} s"
+    )
 
-    demo.lsn += 10
-    t0 = time.monotonic()
-    demo.produce([event("c", NEW_DOC, demo.lsn)], "insert")
+    t0 = demo.sql("INSERT INTO docs (id, title, body) VALUES (%s, %s, %s)", (NEW_DOC.id, NEW_DOC.title, NEW_DOC.body))
     wait_for(
         "the insert",
         lambda: (
@@ -386,7 +398,7 @@ def live_changes(demo: Demo, docs: list[Doc]) -> dict[str, float]:
         demo,
     )
     out["insert"] = time.monotonic() - t0
-    say(f"  inserted {NEW_DOC.id}: top search result after {out['insert']:.2f} s")
+    say(f"  INSERT INTO docs ('{NEW_DOC.id}', …): top search result after {out['insert']:.2f} s")
     answer = demo.post("/v1/answer", {"question": "How quickly do source changes reach search results?", "k": 3})
     show_answer(answer)
     return out

@@ -52,9 +52,11 @@ def test_demo_shows_the_whole_story_and_exits_0(tmp_path: Path) -> None:
         assert step in text, f"missing step {step!r}:\n{text[-3000:]}"
     assert "6 documents" in text and "2 restricted to group 'staff': faq/gui, faq/windows" in text
     assert text.count("  Q: ") == 3 and text.count("answer id ") >= 3
-    assert re.search(r"updated \S+: the new sentence is found by search after \d+\.\d+ s", text)
-    assert re.search(r"deleted \S+: [1-9]\d* of its chunks were in the top 10, none after", text)
-    assert re.search(r"inserted demo/streaming: top search result after", text)
+    # the live changes are SQL statements against the demo's Postgres, through the Postgres source
+    assert "table docs of Postgres on 127.0.0.1:" in text and "streamrag cdc postgres: snapshot" in text
+    assert re.search(r"UPDATE docs … WHERE id = '\S+': the new sentence is found by search after \d+\.\d+ s", text)
+    assert re.search(r"DELETE FROM docs WHERE id = '\S+': [1-9]\d* of its chunks were in the top 10, none after", text)
+    assert re.search(r"INSERT INTO docs \('demo/streaming', …\): top search result after", text)
     assert "public.docs pk=" in text and "lake version" in text  # the lineage chain
     assert "none from faq/gui: True" in text and "HTTP 404" in text
     # the API name is searched in each mode: BM25 finds the one document that writes it
@@ -62,5 +64,6 @@ def test_demo_shows_the_whole_story_and_exits_0(tmp_path: Path) -> None:
     assert re.search(r"keyword: tutorial/inputoutput(;|\n)", text)
     assert re.search(r"hybrid: .*\((dense #\d+, )?keyword #1", text)
     assert "room 4B" not in text.split("8. ACLs")[1]  # the restricted text never reaches alice
-    assert re.search(r"freshness \(produce → visible in /v1/search\): update [\d.]+ s, delete [\d.]+ s, insert", text)
+    freshness = r"freshness \(SQL COMMIT → visible in /v1/search\): update [\d.]+ s, delete [\d.]+ s, insert"
+    assert re.search(freshness, text)
     assert "Traceback" not in out.stderr
