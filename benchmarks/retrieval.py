@@ -15,7 +15,9 @@ Sections
   concurrent loopback clients: requests/s, p50/p99.
 - freshness: ``streamrag ingest`` and ``streamrag serve`` as users run them; documents
   updated at a steady rate: produce → the new text returned by /v1/search (p50/p95/p99),
-  delete → gone; and /v1/search p99 while a bulk load ingests vs idle.
+  delete → gone; and /v1/search p99 while a bulk load ingests vs idle. With
+  ``--fresh-source postgres`` the changes are SQL statements in a local Postgres that
+  ``streamrag cdc postgres`` publishes: COMMIT → visible (target p95 <= 0.5 s).
 """
 
 from __future__ import annotations
@@ -448,8 +450,11 @@ def start_pathway(
 class Changes:
     """Produces changes to the notes and times how long a target takes to show each one."""
 
-    def __init__(self, producer: Producer, topic: str, bodies: dict[int, str], rate: float, queries: list[str]):
+    def __init__(
+        self, producer: Producer, topic: str, bodies: dict[int, str], rate: float, queries: list[str], db: Any = None
+    ):
         self.producer, self.topic, self.bodies, self.rate, self.queries = producer, topic, bodies, rate, queries
+        self.db = db  # a Postgres connection (autocommit): changes are SQL, published by the Postgres source
         self.lsn = 10_000
         self.lock = threading.Lock()
         self.local = threading.local()
@@ -459,7 +464,10 @@ class Changes:
         self.superseded: list[float] = []
 
     def send(self, pk: int, body: str | None) -> float:
-        """Produce a change (``body`` None: delete); the monotonic time it was acknowledged."""
+        """Produce a change (``body`` None: delete); the monotonic time it was acknowledged (with
+        a database: the time its SQL statement was sent, COMMIT included)."""
+        if self.db is not None:
+            return self.send_sql(pk, body)
         with self.lock:
             self.lsn += 1
             key, value = envelope(pk, body, self.lsn, self.bodies.get(pk))
@@ -470,6 +478,23 @@ class Changes:
             t0 = time.monotonic()
             self.producer.produce(self.topic, value, key)
             self.producer.flush(10)
+            self.sent.setdefault(pk, []).append(t0)
+        return t0
+
+    def send_sql(self, pk: int, body: str | None) -> float:
+        with self.lock:
+            t0 = time.monotonic()
+            with self.db.cursor() as cur:
+                if body is None:
+                    cur.execute("DELETE FROM docs WHERE id = %s", (pk,))
+                    self.bodies.pop(pk, None)
+                else:
+                    cur.execute(
+                        "INSERT INTO docs (id, title, body) VALUES (%s, %s, %s) "
+                        "ON CONFLICT (id) DO UPDATE SET body = EXCLUDED.body",
+                        (pk, f"Note {pk}", body),
+                    )
+                    self.bodies[pk] = body
             self.sent.setdefault(pk, []).append(t0)
         return t0
 
@@ -634,6 +659,7 @@ def bench_freshness(
     peer: Path | None,
     cpu_threads: int | None = None,
     dtype: str | None = None,
+    source: str = "kafka",
 ) -> None:
     moto = None
     lake, index = str(work / f"fresh-lake-{store}"), str(work / f"fresh-index-{store}")
@@ -645,7 +671,7 @@ def bench_freshness(
         boto3.client("s3").create_bucket(Bucket="fresh")
         lake, index = "s3://fresh/lake", "s3://fresh/index"
     try:
-        _freshness(work, updates, rate, store, lake, index, peer, cpu_threads, dtype)
+        _freshness(work, updates, rate, store, lake, index, peer, cpu_threads, dtype, source)
     finally:
         if moto is not None:
             moto.terminate()
@@ -695,6 +721,7 @@ def _freshness(
     peer: Path | None,
     cpu_threads: int | None,
     dtype: str | None,
+    source: str = "kafka",
 ) -> None:
     if PIN_SERVICE:  # this process, and the broker and ingest job it starts, on CPU 0
         os.sched_setaffinity(0, {0})
@@ -707,12 +734,14 @@ def _freshness(
     n_docs, n_deletes = 200, 25  # the last 2 × n_deletes notes are deleted: half by each system's phase
     updatable = n_docs - 2 * n_deletes
     procs: list[subprocess.Popen[bytes]] = []
+    cleanup: list[Callable[[], None]] = []
     try:
         topic = "cdc.app.public.docs"
         ensure_topics(bootstrap, [topic], partitions=2)
         producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 0})
         queries = [paragraphs[i][:200] for i in range(40)]
-        changes = Changes(producer, topic, {}, rate, queries)
+        db = start_postgres_source(work, bootstrap, procs, cleanup) if source == "postgres" else None
+        changes = Changes(producer, topic, {}, rate, queries, db)
         for pk in range(n_docs):  # unique text per note: each one is its own best match
             changes.send(pk, f"Note {pk} original text. " + paragraphs[pk % len(paragraphs)])
         threads = ["--cpu-threads", str(cpu_threads)] if cpu_threads else []
@@ -756,10 +785,17 @@ def _freshness(
 
         # Interactive queries while a bulk load ingests.
         idle, _ = load(url, queries, 1, 15)
-        for pk in range(1000, 3000):
+        bulk = {pk: f"Bulk note {pk}. " + rng.choice(paragraphs) for pk in range(1000, 3000)}
+        changes.bodies.update(bulk)
+        if db is not None:
+            from psycopg2.extras import execute_values
+
+            with db.cursor() as cur:
+                execute_values(cur, "INSERT INTO docs (id, title, body) VALUES %s",
+                               [(pk, f"Note {pk}", text) for pk, text in bulk.items()])  # fmt: skip
+        for pk, text in bulk.items() if db is None else ():
             changes.lsn += 1
-            changes.bodies[pk] = f"Bulk note {pk}. " + rng.choice(paragraphs)
-            key, value = envelope(pk, changes.bodies[pk], changes.lsn)
+            key, value = envelope(pk, text, changes.lsn)
             producer.produce(topic, value, key)
             producer.poll(0)
         producer.flush(30)
@@ -775,6 +811,8 @@ def _freshness(
         fetch_wait = {"fetch.wait.max.ms": str(FETCH_WAIT_MS)}  # the same Kafka client setting as ours
         if store != "local":
             peer_figures = "local lake only"
+        elif source != "kafka":
+            peer_figures = "not run: Pathway reads schema-wrapped JSON; the Postgres source writes it bare"
         elif peer is not None:
             try:
                 peer_figures = pathway_phase(changes, bootstrap, topic, work, peer, update_plan("Peer"),
@@ -785,6 +823,7 @@ def _freshness(
         emit(bench="freshness", lake=store, rate_per_s=rate, timed_every=timed_every(rate),
              max_polls_per_s=MAX_POLLS_PER_S, pinned="service on CPU 1, the rest on CPU 0" if PIN_SERVICE else None,
              push="commit notices", cpu_threads=cpu_threads, dtype=dtype or "auto",
+             source="postgres (SQL COMMIT → visible)" if source == "postgres" else "kafka (produce → visible)",
              fetch_wait_ms=FETCH_WAIT_MS,
              **ours, stages_mean=stages, stages_p95=stages_p95,
              peer=peer_figures,
@@ -793,8 +832,36 @@ def _freshness(
     finally:
         for proc in procs:
             os.killpg(proc.pid, 9)
+        for step in reversed(cleanup):
+            step()
         broker.terminate()
         broker.wait(30)
+
+
+def start_postgres_source(
+    work: Path, bootstrap: str, procs: list[subprocess.Popen[bytes]], cleanup: list[Callable[[], None]]
+) -> Any:
+    """A local Postgres with the notes' table, and ``streamrag cdc postgres`` publishing it to
+    cdc.app.public.docs; returns a connection (autocommit) to make the changes with."""
+    import psycopg2
+
+    from pipelines.pgcluster import LocalPostgres
+
+    server = LocalPostgres().start()  # durable: commits are fsynced, as a real database's
+    cleanup.append(server.stop)
+    db = psycopg2.connect(server.dsn())
+    db.autocommit = True
+    cleanup.append(db.close)
+    with db.cursor() as cur:
+        cur.execute("CREATE TABLE docs (id int PRIMARY KEY, title text NOT NULL, body text NOT NULL, "
+                    "acl text[] NOT NULL DEFAULT '{}'); ALTER TABLE docs REPLICA IDENTITY FULL; "
+                    "CREATE PUBLICATION streamrag FOR TABLE docs")  # fmt: skip
+    log = (work / "cdc.log").open("wb")
+    procs.append(subprocess.Popen([*CLI, "cdc", "postgres", "--dsn", server.dsn(), "--publication", "streamrag",
+                                   "--slot", "fresh", "--bootstrap", bootstrap, "--topic-prefix", "cdc.app",
+                                   "--state-dir", str(work / "cdc")], stdout=log, stderr=log,
+                                  start_new_session=True))  # fmt: skip
+    return db
 
 
 def bench_tail(sizes: list[int], queries: int = 200) -> None:
@@ -861,6 +928,13 @@ def main() -> None:
         help="freshness: cap on detection searches per second, all changes together (none)",
     )
     parser.add_argument("--fresh-store", choices=["local", "s3"], action="append", help="lake for freshness (local)")
+    parser.add_argument(
+        "--fresh-source",
+        choices=["kafka", "postgres"],
+        default="kafka",
+        help="freshness: changes produced to Kafka (kafka), or SQL in a local Postgres published by "
+        "streamrag cdc postgres (postgres: timed from COMMIT)",
+    )
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     parser.add_argument("--delay-ms", type=float, default=20.0, help="codecs: added to every S3 request (20)")
     parser.add_argument(
@@ -907,7 +981,7 @@ def main() -> None:
             for store in args.fresh_store or ["local"]:
                 bench_freshness(work, args.updates, args.rate, store,
                                 args.pathway_python if args.pathway_python.exists() else None,
-                                args.cpu_threads, args.dtype)  # fmt: skip
+                                args.cpu_threads, args.dtype, args.fresh_source)  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
     sys.stdout.flush()

@@ -19,9 +19,10 @@ Nothing lost, nothing applied twice:
   (``<state-dir>/<slot>.json``); a source killed before that drops the slot and snapshots
   again at the next start (the rows come again with a newer position and the same content:
   the ingest job writes nothing for an unchanged document).
-- **Stream.** Changes are produced as they are decoded; every ``flush_interval_s`` the
-  producer is flushed (every delivery acknowledged) and only then does the slot's confirmed
-  flush position move, to the end of the last transaction whose every event was acknowledged.
+- **Stream.** Changes are produced as they are decoded, without waiting; each transaction
+  counts its events' delivery reports, and every ``flush_interval_s`` (or when the stream is
+  quiet) the slot's confirmed flush position moves to the end of the last transaction whose
+  events, and every earlier transaction's, Kafka acknowledged.
   A kill -9 at any point re-sends at most the transactions after that position, which the
   ingest job already skips by position (Postgres re-sends whole transactions). The producer
   is idempotent (no duplicates from its own retries). A failed delivery stops the source
@@ -48,7 +49,9 @@ import signal
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +138,10 @@ class PostgresSource:
         self._types: dict[int, PgType] = {}
         self._tables: dict[int, _Table] = {}
         self._tx: Begin | None = None
+        #: the open transaction's [end LSN (at its commit), events not yet acknowledged]
+        self._counting: list[int] | None = None
+        #: committed transactions in commit order, each [end LSN, events not yet acknowledged]
+        self._unacked: deque[list[int]] = deque()
         self.sent = 0  # events produced (tombstones included)
         self.confirmed_lsn = 0
 
@@ -274,8 +281,12 @@ class PostgresSource:
         self, topic: str, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]] | None = None
     ) -> None:
         while True:
+            counting = self._counting
+            delivered = self._on_delivery if counting is None else partial(self._acknowledged, counting)
             try:
-                self.producer.produce(topic, value, key, on_delivery=self._on_delivery, headers=headers)
+                self.producer.produce(topic, value, key, on_delivery=delivered, headers=headers)
+                if counting is not None:
+                    counting[1] += 1
                 break
             except BufferError:  # the local queue is full: let deliveries drain
                 self.producer.poll(0.1)
@@ -285,6 +296,26 @@ class PostgresSource:
     def _on_delivery(self, err: Any, _msg: Any) -> None:
         if err is not None:
             self._errors.append(str(err))
+
+    def _acknowledged(self, transaction: list[int], err: Any, _msg: Any) -> None:
+        if err is not None:
+            self._errors.append(str(err))
+        else:
+            transaction[1] -= 1
+
+    def _acknowledged_up_to(self) -> int:
+        """The end LSN of the last transaction whose events, and every earlier one's, Kafka has
+        acknowledged (0: none since the last call); raises if a delivery failed."""
+        self.producer.poll(0)  # runs the delivery callbacks
+        if self._errors:
+            raise KafkaIOError(
+                f"{len(self._errors)} change events failed ({'; '.join(self._errors[:3])}); "
+                "the slot keeps them: restart the source."
+            )
+        end = 0
+        while self._unacked and self._unacked[0][1] == 0:
+            end = self._unacked.popleft()[0]
+        return end
 
     def _event(self, table: _Table, op: str, before: Any, after: Any, lsn: int, ts_ms: int,
                snapshot: str = "false", tx_id: int | None = None) -> None:  # fmt: skip
@@ -425,8 +456,13 @@ class PostgresSource:
         xid = tx.xid if tx is not None else None
         if isinstance(message, Begin):
             self._tx = message
+            self._counting = [0, 0]
         elif isinstance(message, Commit):
             self._tx = None
+            if self._counting is not None:
+                self._counting[0] = message.end_lsn
+                self._unacked.append(self._counting)
+                self._counting = None
             return message.end_lsn
         elif isinstance(message, Relation):
             self._on_relation(message)
@@ -465,29 +501,30 @@ class PostgresSource:
             decode=False,
             options={"proto_version": "1", "publication_names": self.options.publication},
         )
-        confirmable = 0  # end of the last transaction whose events were all produced
-        last_flush = time.monotonic()
+        log.info("streaming slot %s", self.options.slot)
+        last_feedback = time.monotonic()
         while not self._stop.is_set():
             msg = cur.read_message()
             if msg is not None:
-                end = self.handle(msg.payload, msg.data_start)
-                if end is not None:
-                    confirmable = end
+                self.handle(msg.payload, msg.data_start)
             now = time.monotonic()
-            if now - last_flush >= self.options.flush_interval_s:
-                if confirmable > self.confirmed_lsn:
-                    self._flush()  # every event up to ``confirmable`` acknowledged …
-                    cur.send_feedback(flush_lsn=confirmable, reply=False)  # … only then may the slot move
-                    self.confirmed_lsn = confirmable
-                else:
-                    cur.send_feedback()  # a keepalive
-                last_flush = now
+            if msg is None or now - last_feedback >= self.options.flush_interval_s:
+                # The slot moves only past transactions whose every event Kafka acknowledged.
+                end = self._acknowledged_up_to()
+                if end > self.confirmed_lsn:
+                    # forced: psycopg2 otherwise holds feedback until its status interval (10 s)
+                    cur.send_feedback(flush_lsn=end, force=True)
+                    self.confirmed_lsn = end
+                elif now - last_feedback >= self.options.flush_interval_s:
+                    cur.send_feedback()  # a keepalive when the status interval is due
+                last_feedback = now
             if msg is None:
                 select.select([repl], [], [], self.options.flush_interval_s)
-        if confirmable > self.confirmed_lsn:
-            self._flush()
-            cur.send_feedback(flush_lsn=confirmable, reply=True)
-            self.confirmed_lsn = confirmable
+        self._flush()
+        end = self._acknowledged_up_to()
+        if end > self.confirmed_lsn:
+            cur.send_feedback(flush_lsn=end, force=True)
+            self.confirmed_lsn = end
 
     # -- running ----------------------------------------------------------------------------
 
