@@ -8,7 +8,9 @@ Errors are data: :func:`decode` never raises on bad input. It accepts the bare e
 Positions order the changes of one document. They are strings that sort
 lexicographically in change order, built from what the connector gives:
 
-- Postgres: ``lsn`` → ``pg:<lsn, 20 digits>``
+- Postgres: ``lsn`` → ``pg:<lsn, 20 digits>``; with ``commit_lsn`` (the transaction's commit
+  record, which streamrag's Postgres source adds) → ``pg:<commit_lsn>:<lsn>``: a row's
+  changes in commit order, which their own LSNs need not follow across a slot's snapshot
 - MySQL/MariaDB: ``file``/``pos``/``row`` → ``binlog:<file>:<pos>:<row>``
 - SQL Server: ``commit_lsn``/``change_lsn`` → ``mssql:<commit>:<change>``
 - Oracle/Db2/others with ``scn`` → ``scn:<scn>``
@@ -189,7 +191,8 @@ def source_position(source: Mapping[str, Any], ts_ms: int | None, kafka: KafkaCo
     """A string that sorts in change order for changes of one row (module docstring)."""
     lsn = _optional_int(source.get("lsn"), "source.lsn") if "lsn" in source else None
     if lsn is not None:
-        return f"pg:{lsn:020d}"
+        commit = _optional_int(source.get("commit_lsn"), "source.commit_lsn") if "commit_lsn" in source else None
+        return f"pg:{lsn:020d}" if commit is None else f"pg:{commit:020d}:{lsn:020d}"
     if source.get("file") and source.get("pos") is not None:
         pos = _optional_int(source.get("pos"), "source.pos") or 0
         row = _optional_int(source.get("row"), "source.row") or 0

@@ -19,6 +19,12 @@ Nothing lost, nothing applied twice:
   (``<state-dir>/<slot>.json``); a source killed before that drops the slot and snapshots
   again at the next start (the rows come again with a newer position and the same content:
   the ingest job writes nothing for an unchanged document).
+- **Order.** Each event's ``source`` also carries ``commit_lsn``, its transaction's commit
+  record, and the ingest job orders a row's changes by (commit LSN, change LSN): a
+  transaction that began while the slot was being created can commit after the slot's
+  consistent point (so it is streamed, not in the snapshot) with changes whose own LSNs
+  precede that point; by change LSN alone they would sort before the snapshot's rows and be
+  dropped as stale.
 - **Stream.** Changes are produced as they are decoded, without waiting; each transaction
   counts its events' delivery reports, and every ``flush_interval_s`` (or when the stream is
   quiet) the slot's confirmed flush position moves to the end of the last transaction whose
@@ -266,6 +272,8 @@ class PostgresSource:
             "table": table.relation.table,
             "txId": tx_id,
             "lsn": lsn,
+            # the transaction's commit record (not Debezium's): changes of one row in commit order
+            "commit_lsn": self._tx.final_lsn if self._tx is not None else lsn,
             "xmin": None,
         }
 

@@ -4,9 +4,10 @@ Every command's log output goes through :class:`RedactingFormatter`, which masks
 
 - the values of known secret variables (``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
   ``STREAMRAG_GENERATOR_API_KEY``, any ``STREAMRAG_KAFKA_*`` whose name says password,
-  secret, token or key), bearer tokens from the tokens file and secrets in a Kafka config
-  file, once :func:`register` has seen them;
-- the password in any ``scheme://user:password@host`` URL.
+  secret, token or key, ``PGPASSWORD``), bearer tokens from the tokens file and secrets in
+  a Kafka config file, once :func:`register` has seen them;
+- the password in any ``scheme://user:password@host`` URL and in a libpq connection string
+  (``password=…``).
 
 This is the net under the rule, not the rule: code never formats a secret on purpose
 (settings holding one keep it out of their repr). Values shorter than 8 characters are not
@@ -28,10 +29,12 @@ from pathlib import Path
 
 MASK = "***"
 MIN_LENGTH = 8
-SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "STREAMRAG_GENERATOR_API_KEY")
+SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "STREAMRAG_GENERATOR_API_KEY", "PGPASSWORD")
 KAFKA_PREFIX = "STREAMRAG_KAFKA_"
 _SECRET_WORDS = ("PASSWORD", "SECRET", "TOKEN", "KEY", "CREDENTIAL", "JAAS")
 _URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]*):[^/\s@]+@")
+#: a libpq key/value connection string's password (``password=x`` or ``password='x y'``)
+_DSN_PASSWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s']+)")
 
 _lock = threading.Lock()
 _secrets: set[str] = set()
@@ -55,6 +58,7 @@ def register_environment(env: Mapping[str, str] | None = None) -> None:
 
 def redact(text: str) -> str:
     text = _URL_PASSWORD.sub(rf"\g<head>:{MASK}@", text)
+    text = _DSN_PASSWORD.sub(rf"\g<head>{MASK}", text)
     with _lock:
         secrets = sorted(_secrets, key=len, reverse=True)
     for secret in secrets:

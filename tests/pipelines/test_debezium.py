@@ -81,6 +81,15 @@ def test_positions_per_connector_sort_in_change_order() -> None:
     assert positions == sorted(positions)
     assert source_position({"scn": "17"}, None, K) < source_position({"scn": "170"}, None, K)
     assert source_position({}, 5, K).startswith("ts:")
+    # Postgres with the commit LSN (streamrag's source): commit order first. A transaction that
+    # began during the slot's creation commits after its consistent point (1000) with a change
+    # at LSN 900: it must sort after the snapshot's row (999), and a second change of the row
+    # in one transaction after the first.
+    snapshot = source_position({"lsn": 999, "commit_lsn": 999}, None, K)
+    early_change = source_position({"lsn": 900, "commit_lsn": 1200}, None, K)
+    same_tx_later = source_position({"lsn": 950, "commit_lsn": 1200}, None, K)
+    assert snapshot < early_change < same_tx_later
+    assert source_position({"lsn": 900}, None, K) == "pg:00000000000000000900"  # Debezium's: change LSN only
 
 
 def bad(value: bytes | None, key: bytes | None = None) -> DeadLetter:

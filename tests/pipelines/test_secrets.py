@@ -21,6 +21,11 @@ def test_url_passwords_and_registered_values_are_masked() -> None:
                           "STREAMRAG_KAFKA_SASL_USERNAME": "svc-user"})  # fmt: skip
     assert redact("key wJalrXUtnFEMI-example, kafka-pass-123") == "key ***, ***"
     assert redact("AKIAEXAMPLE1 svc-user short") == "AKIAEXAMPLE1 svc-user short"  # not secrets / too short
+    # libpq connection strings (the Postgres source's --dsn)
+    assert redact("dsn host=db password=pg-pass-1 user=cdc") == "dsn host=db password=*** user=cdc"
+    assert redact("password = 'two words\\' x' dbname=app") == "password = *** dbname=app"
+    register_environment({"PGPASSWORD": "libpq-pass-42"})
+    assert redact("connect failed for libpq-pass-42") == "connect failed for ***"
 
 
 def test_the_formatter_masks_messages_arguments_and_tracebacks() -> None:
