@@ -64,6 +64,8 @@ def add_commands(sub: Any) -> None:
         default=50,
         help="how often deliveries are awaited and the slot's position confirmed (50)",
     )
+    p.add_argument("--metrics-port", type=int, help="Prometheus metrics on this port (off by default)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="where the metrics listen (0.0.0.0 in containers)")
     p.add_argument(
         "--resnapshot",
         action="store_true",
@@ -214,6 +216,8 @@ def cmd_cdc_postgres(args: argparse.Namespace) -> int:
         flush_interval_s=args.flush_interval_ms / 1000,
         resnapshot=args.resnapshot,
         partitions=args.partitions,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
     try:
         return run_source(options)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 EVENTS = Counter("streamrag_ingest_events_total", "Kafka messages read, by outcome", ["outcome"])
 DEAD_LETTERS = Counter("streamrag_ingest_dead_letters_total", "Messages sent to the dead-letter topic and table")
@@ -43,4 +43,16 @@ NOTICE_DELAY = Histogram(
 EXPIRED_STATES = Counter(
     "streamrag_ingest_deleted_states_expired_total",
     "Deleted documents whose state was dropped after the retention (--deleted-state-retention-hours)",
+)
+
+# The Postgres source (``streamrag cdc postgres``)
+CDC_EVENTS = Counter("streamrag_cdc_events_total", "Change events published, by Debezium op (r c u d t)", ["op"])
+CDC_UNREPRESENTABLE = Counter(
+    "streamrag_cdc_unrepresentable_total", "Changes published as dead letters (streamrag-error header)"
+)
+CDC_CONFIRMED_LSN = Gauge("streamrag_cdc_confirmed_lsn", "The slot's confirmed flush position (acknowledged by Kafka)")
+CDC_COMMIT_TO_ACK = Histogram(
+    "streamrag_cdc_commit_to_acknowledged_seconds",
+    "A transaction's COMMIT to Kafka acknowledging its last event",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30),
 )

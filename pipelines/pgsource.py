@@ -61,6 +61,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pipelines import metrics
 from pipelines.broker import ensure_topics
 from pipelines.debezium import SOURCE_ERROR_HEADER
 from pipelines.kafka_io import PRODUCER_DEFAULTS, KafkaIOError
@@ -103,6 +104,8 @@ class SourceOptions:
     flush_interval_s: float = 0.05
     resnapshot: bool = False
     partitions: int = 2  # of the topics the source creates
+    metrics_port: int | None = None  # Prometheus metrics on metrics_host:port
+    metrics_host: str = "127.0.0.1"
 
 
 @dataclass
@@ -144,9 +147,9 @@ class PostgresSource:
         self._types: dict[int, PgType] = {}
         self._tables: dict[int, _Table] = {}
         self._tx: Begin | None = None
-        #: the open transaction's [end LSN (at its commit), events not yet acknowledged]
+        #: the open transaction's [end LSN (at its commit), events not yet acknowledged, commit time (ms)]
         self._counting: list[int] | None = None
-        #: committed transactions in commit order, each [end LSN, events not yet acknowledged]
+        #: committed transactions in commit order, each [end LSN, events not yet acknowledged, commit ms]
         self._unacked: deque[list[int]] = deque()
         self.sent = 0  # events produced (tombstones included)
         self.confirmed_lsn = 0
@@ -308,8 +311,10 @@ class PostgresSource:
     def _acknowledged(self, transaction: list[int], err: Any, _msg: Any) -> None:
         if err is not None:
             self._errors.append(str(err))
-        else:
-            transaction[1] -= 1
+            return
+        transaction[1] -= 1
+        if transaction[1] == 0 and transaction[0]:  # its last event, after its commit was read
+            metrics.CDC_COMMIT_TO_ACK.observe(max(0.0, time.time() - transaction[2] / 1000))
 
     def _acknowledged_up_to(self) -> int:
         """The end LSN of the last transaction whose events, and every earlier one's, Kafka has
@@ -341,6 +346,7 @@ class PostgresSource:
             value = {"op": op, "after": raw, "source": self._source(table, lsn, ts_ms, snapshot, tx_id)}
             log.warning("%s at %s: %s (sent as a dead letter)", topic, _lsn_text(lsn), exc)
             self._send(topic, None, json.dumps(value).encode(), [(ERROR_HEADER, str(exc).encode())])
+            metrics.CDC_UNREPRESENTABLE.inc()
             return
         if op == "u" and before_row is not None and table.keys:
             old_key, new_key = self._key(table, before_row), self._key(table, after_row)
@@ -362,6 +368,7 @@ class PostgresSource:
         }
         key = self._key(table, after if after is not None else before)
         self._send(self.topic(table), key, json.dumps(envelope, separators=(",", ":")).encode())
+        metrics.CDC_EVENTS.labels(op).inc()
         if op == "d" and key is not None:
             self._send(self.topic(table), key, None)
 
@@ -464,7 +471,7 @@ class PostgresSource:
         xid = tx.xid if tx is not None else None
         if isinstance(message, Begin):
             self._tx = message
-            self._counting = [0, 0]
+            self._counting = [0, 0, message.commit_ts_ms]
         elif isinstance(message, Commit):
             self._tx = None
             if self._counting is not None:
@@ -495,6 +502,7 @@ class PostgresSource:
                             "source": self._source(table, lsn, ts_ms, "false", xid)}  # fmt: skip
                 log.warning("TRUNCATE of %s.%s at %s", table.relation.schema, table.relation.table, _lsn_text(lsn))
                 self._send(self.topic(table), None, json.dumps(envelope).encode())
+                metrics.CDC_EVENTS.labels("t").inc()
         return None
 
     @staticmethod
@@ -523,6 +531,7 @@ class PostgresSource:
                     # forced: psycopg2 otherwise holds feedback until its status interval (10 s)
                     cur.send_feedback(flush_lsn=end, force=True)
                     self.confirmed_lsn = end
+                    metrics.CDC_CONFIRMED_LSN.set(end)
                 elif now - last_feedback >= self.options.flush_interval_s:
                     cur.send_feedback()  # a keepalive when the status interval is due
                 last_feedback = now
@@ -533,6 +542,7 @@ class PostgresSource:
         if end > self.confirmed_lsn:
             cur.send_feedback(flush_lsn=end, force=True)
             self.confirmed_lsn = end
+            metrics.CDC_CONFIRMED_LSN.set(end)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -577,6 +587,10 @@ class PostgresSource:
 def run_source(options: SourceOptions) -> int:
     """``streamrag cdc postgres``: run until SIGTERM/SIGINT; 0 on a clean stop."""
     source = PostgresSource(options)
+    if options.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(options.metrics_port, addr=options.metrics_host)
 
     def on_signal(_signum: int, _frame: object) -> None:
         source.stop()

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
+from prometheus_client import REGISTRY
 
 from pipelines.debezium import decode
 from pipelines.lake import Lake
@@ -84,11 +85,23 @@ def options(db: Database, broker: str, tmp_path: Path, **extra: Any) -> SourceOp
     return SourceOptions(db.dsn, "streamrag", f"slot_{db.name}", broker, state_dir=tmp_path / "state", **extra)
 
 
+COUNTED = [
+    ("streamrag_cdc_events_total", {"op": "r"}),
+    ("streamrag_cdc_events_total", {"op": "u"}),
+    ("streamrag_cdc_events_total", {"op": "d"}),
+    ("streamrag_cdc_events_total", {"op": "c"}),
+    ("streamrag_cdc_events_total", {"op": "t"}),
+    ("streamrag_cdc_unrepresentable_total", {}),
+    ("streamrag_cdc_commit_to_acknowledged_seconds_count", {}),
+]
+
+
 def test_snapshot_then_changes_decode_as_debeziums(postgres, broker: str, tmp_path: Path) -> None:
     db = new_database(postgres)
     db.execute("INSERT INTO docs VALUES (1, 'One', 'first body', '{}'), (2, 'Two', 'second', '{hr}'), "
                "(3, 'Three', 'third', '{}')")  # fmt: skip
     db.execute("CREATE TABLE shapes (id int PRIMARY KEY, title text, body text, acl text[], p point)")
+    before = [REGISTRY.get_sample_value(name, labels) or 0.0 for name, labels in COUNTED]
     running = Running(options(db, broker, tmp_path))
     running.wait_sent(3)
     db.execute("UPDATE docs SET body = 'first body, edited' WHERE id = 1")  # may land at the slot's very LSN
@@ -97,7 +110,15 @@ def test_snapshot_then_changes_decode_as_debeziums(postgres, broker: str, tmp_pa
     db.execute("INSERT INTO shapes VALUES (1, 't', 'b', '{}', point(1, 2))")  # no JSON form: a dead letter
     db.execute("TRUNCATE shapes")
     running.wait_sent(3 + 1 + 2 + 3 + 2)
-    running.stop()
+    running.stop()  # waits for every acknowledgement and confirms the slot past them
+    confirmed = running.source.confirmed_lsn
+    counted = [(REGISTRY.get_sample_value(n, ls) or 0.0) - b for (n, ls), b in zip(COUNTED, before, strict=True)]
+    # r, u, d (a delete and a key change), c (the key change), t, dead letters, transactions acknowledged
+    assert counted == [3, 1, 2, 1, 1, 1, 5], counted
+    assert confirmed > 0 and REGISTRY.get_sample_value("streamrag_cdc_confirmed_lsn") == confirmed
+    slot = db.rows("SELECT confirmed_flush_lsn - '0/0'::pg_lsn FROM pg_replication_slots WHERE slot_name = %s",
+                   (f"slot_{db.name}",))  # fmt: skip
+    assert int(slot[0][0]) == confirmed  # the server has it: a restart re-sends nothing
 
     events = decoded(broker, f"cdc.{db.name}.public.docs")
     by_pk: dict[str, list[ChangeEvent]] = {}
