@@ -202,3 +202,18 @@ def test_sql_through_the_source_and_the_ingest_job_gives_a_lake_equal_to_the_dat
     lake = Lake.at(str(lake_dir))
     expected = SimpleNamespace(expected=db.docs(), malformed=0)
     assert_lake_matches(lake, expected, chunker_for(real_embedder, str(lake_dir)))  # type: ignore[arg-type]
+
+
+def test_the_command_says_what_is_wrong(postgres, broker: str, tmp_path: Path) -> None:
+    """Bad input gets a sentence and a non-zero exit, never a traceback."""
+    db = new_database(postgres)
+    base = ["cdc", "postgres", "--slot", "s_cli", "--bootstrap", broker, "--state-dir", str(tmp_path)]
+    missing = cli(*base, "--publication", "streamrag", env={"STREAMRAG_PG_DSN": ""})
+    assert missing.returncode == 2 and "--dsn (or $STREAMRAG_PG_DSN) is required" in missing.stderr
+    nopub = cli(*base, "--dsn", db.dsn, "--publication", "nosuch")
+    assert nopub.returncode == 1 and "publication 'nosuch' does not exist: CREATE PUBLICATION" in nopub.stderr
+    down = cli(*base, "--dsn", "host=127.0.0.1 port=1 user=x dbname=x password=hunter2-secret", "--publication", "p")
+    assert down.returncode == 1 and "error: " in down.stderr and "Connection refused" in down.stderr
+    assert "hunter2-secret" not in down.stderr
+    for out in (missing, nopub, down):
+        assert "Traceback" not in out.stderr
