@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 	  echo "installing postgresql (apt): the source database of the demo and the tests"; \
 	  apt-get update -qq && apt-get install -y -qq postgresql; \
 	fi; \
+	if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+	  echo "installing chromium and chromium-driver (apt): the lineage explorer's browser tests"; \
+	  apt-get update -qq && apt-get install -y -qq chromium chromium-driver; \
+	fi; \
 	if ! command -v c++ >/dev/null 2>&1; then \
 	  echo "installing a C/C++ compiler for llama-cpp-python (apt)"; apt-get update -qq && apt-get install -y -qq build-essential; \
 	fi; \

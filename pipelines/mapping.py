@@ -93,6 +93,13 @@ class TableMapping:
 
     def document(self, row: Mapping[str, Any]) -> tuple[str, str, tuple[str, ...], tuple[tuple[str, str], ...]]:
         """(title, text, acl, metadata) of a row."""
+        if self.text_columns and not any(col in row for col in self.text_columns):
+            # Debezium sends every column, null or not: none of them means a dropped column or the
+            # wrong mapping, and publishing the row would empty the document silently.
+            raise MappingError(
+                f"no text column ({', '.join(self.text_columns)}) is in the row: dropped from the table, "
+                "or this table needs its own mapping."
+            )
         title = _text_value(row, self.title_column) if self.title_column else ""
         parts = [_text_value(row, col) for col in self.text_columns]
         text = "\n\n".join(p for p in parts if p)

@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import select
 import signal
 import tempfile
@@ -114,6 +115,15 @@ class _Table:
     keys: tuple[str, ...]  # primary key columns (in key order)
 
 
+def _ident(name: str) -> str:
+    """A quoted SQL identifier (names come from the catalog, and may hold any character)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+#: what Postgres accepts as a replication slot's name
+SLOT_NAME = re.compile(r"[a-z0-9_]{1,63}")
+
+
 def _lsn_text(lsn: int) -> str:
     return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
 
@@ -129,6 +139,8 @@ class PostgresSource:
     def __init__(self, options: SourceOptions, producer: Any = None) -> None:
         import psycopg2
 
+        if not SLOT_NAME.fullmatch(options.slot):
+            raise SourceError(f"slot name {options.slot!r}: lower-case letters, digits and _ only (at most 63).")
         self.options = options
         self._pg = psycopg2
         self._conn = psycopg2.connect(options.dsn)
@@ -238,7 +250,7 @@ class PostgresSource:
                 "SELECT a.attname FROM pg_index i "
                 "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
                 "WHERE i.indrelid = %s::regclass AND i.indisprimary ORDER BY array_position(i.indkey, a.attnum)",
-                (f'"{schema}"."{table}"',),
+                (f"{_ident(schema)}.{_ident(table)}",),
             )
             return tuple(r[0] for r in cur.fetchall())
 
@@ -387,7 +399,7 @@ class PostgresSource:
             cur.execute(
                 "SELECT attname, atttypid FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
                 "AND NOT attisdropped ORDER BY attnum",
-                (f'"{schema}"."{table}"',),
+                (f"{_ident(schema)}.{_ident(table)}",),
             )
             return tuple(Column(name, int(oid), False) for name, oid in cur.fetchall())
 
@@ -411,10 +423,10 @@ class PostgresSource:
             for index, (schema, name) in enumerate(planned):
                 columns = self._columns(schema, name)
                 table = _Table(Relation(0, schema, name, "f", columns), self._primary_key(schema, name))
-                select_list = ", ".join(f'"{c.name}"::text' for c in columns) or "1"
+                select_list = ", ".join(f"{_ident(c.name)}::text" for c in columns) or "1"
                 rows = reader.cursor(name=f"streamrag_snapshot_{index}")
                 rows.itersize = self.options.snapshot_batch_rows
-                rows.execute(f'SELECT {select_list} FROM "{schema}"."{name}"')
+                rows.execute(f"SELECT {select_list} FROM {_ident(schema)}.{_ident(name)}")
                 sent = 0
                 pending: tuple[Any, ...] | None = None
                 for row in rows:

@@ -1,4 +1,6 @@
-"""The HTTP API (FastAPI): ``/v1/search``, ``/v1/answer``, ``/v1/lineage/…``, probes, ``/metrics``.
+"""The HTTP API (FastAPI): ``/v1/search``, ``/v1/answer``, ``/v1/lineage/…``, probes, ``/metrics``,
+and the lineage explorer's page (``/ui``: static files that read this API with the caller's
+token, so it shows exactly what the API would).
 
 Every error is JSON ``{"error": "..."}`` with a 4xx status saying what was wrong (5xx
 only for the server's own faults, without internals).
@@ -21,10 +23,12 @@ error texts only authenticated callers see.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import anyio
@@ -46,17 +50,19 @@ from retrieval.engine import SearchEngine
 from retrieval.errors import SearchError
 from retrieval.filters import FilterError, MetadataFilter
 from retrieval.http import SSE_EVENT, ApiError, BodyLimit, RateLimiter, error, sse
-from retrieval.lineage import Lineage
+from retrieval.lineage import AUDITOR, Lineage
 from retrieval.schemas import (
     ERRORS,
     AnswerLineage,
     AnswerResponse,
     ChunkLineage,
+    DeadLetters,
     Health,
     Live,
     Ready,
     SearchResponse,
     SourceLineage,
+    WhoAmI,
 )
 from serving.generator import GeneratorError
 
@@ -168,6 +174,24 @@ Caller = Annotated[Principal, Depends(principal)]
 EngineDep = Annotated[SearchEngine, Depends(get_engine)]
 AnswererDep = Annotated[Answerer, Depends(get_answerer)]
 LineageDep = Annotated[Lineage, Depends(get_lineage)]
+
+
+UI_DIR = Path(__file__).parent / "ui"
+UI_TYPES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
+            "app.css": "text/css; charset=utf-8"}  # fmt: skip
+#: the explorer loads nothing from elsewhere and runs no inline script; no page may frame it
+UI_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+@functools.cache
+def ui_asset(name: str) -> bytes:
+    return (UI_DIR / name).read_bytes()
 
 
 def create_app(
@@ -314,6 +338,34 @@ def create_app(
     @app.get("/v1/lineage/chunks/{chunk_id}", response_model=ChunkLineage)
     def chunk_lineage(chunk_id: str, who: Caller, lineage: LineageDep) -> dict[str, Any]:
         return lineage.chunk(chunk_id, who)
+
+    @app.get("/v1/whoami", response_model=WhoAmI)
+    def whoami(who: Caller) -> dict[str, Any]:
+        """The caller's own principal and groups (the explorer shows them and its auditor views)."""
+        return {"principal": who.name, "groups": sorted(who.groups), "auditor": AUDITOR in who.groups}
+
+    @app.get("/v1/ops/dead-letters", response_model=DeadLetters)
+    def dead_letters(who: Caller, lineage: LineageDep, limit: int = 50) -> dict[str, Any]:
+        """The newest dead letters and why (auditors only: anyone else gets a 404). Their bytes
+        are not returned: a refused row can hold any document's text."""
+        if AUDITOR not in who.groups:
+            raise ApiError(404, "not found")
+        if not 1 <= limit <= 1000:
+            raise ApiError(422, "limit must be between 1 and 1000")
+        return lineage.dead_letters(limit)
+
+    @app.get("/ui", include_in_schema=False)
+    @app.get("/ui/{_path:path}", include_in_schema=False)
+    def explorer(_path: str = "") -> Response:
+        """The lineage explorer's page: the same shell for every view (the script reads the path
+        and asks the API, with the caller's token, for what that caller may see)."""
+        return Response(ui_asset("index.html"), media_type="text/html; charset=utf-8", headers=UI_HEADERS)
+
+    @app.get("/ui-assets/{name}", include_in_schema=False)
+    def explorer_asset(name: str) -> Response:
+        if name not in UI_TYPES:
+            raise ApiError(404, "not found")
+        return Response(ui_asset(name), media_type=UI_TYPES[name], headers=UI_HEADERS)
 
     @app.get("/livez", response_model=Live)
     async def livez() -> dict[str, str]:

@@ -313,6 +313,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         demo.timings["serve_ready_s"] = wait_for("the API", ready, 600, demo)
         say(f"  API on {demo.url} ready in {demo.timings['serve_ready_s']:.1f} s (tokens: {demo.work / 'tokens.yaml'})")
+        say(f"  lineage explorer: {demo.url}/ui (sign in with a token: {SAM.split()[1]} sees the staff pages)")
 
         heading("4. Ask questions (as 'sam', group staff)")
         answers = []
@@ -336,6 +337,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         chain = demo.get(f"/v1/lineage/answers/{answers[0]['answer_id']}").json()
         say(render_lineage("answer", chain))
+        say(f"  in the browser: {demo.url}/ui/answers/{answers[0]['answer_id']}")
 
         heading("8. ACLs: 'alice' (no groups) vs 'sam' (staff) on a restricted document")
         acl_report(demo, restricted)

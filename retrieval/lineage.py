@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipelines.lake import CHUNKS, Lake, LakeError, latest_rows
+from pipelines.lake import CHUNKS, DEAD_LETTERS, Lake, LakeError, latest_rows
 from retrieval.acl import Principal, acl_mask
 from retrieval.audit import ANSWERS, AuditLog
 from retrieval.errors import SearchError
@@ -154,6 +154,18 @@ class Lineage:
         if newest["position"] != used["position"]:
             now = "deleted" if newest["op"] == "delete" else "updated"
         return {**out, "visible": True, **_chunk_version(version.to_pylist()[0]), "now": now}
+
+    def dead_letters(self, limit: int) -> dict[str, Any]:
+        """The newest ``limit`` dead letters: where each came from and why (not its bytes)."""
+        try:
+            rows = self.lake.read(DEAD_LETTERS, columns=["topic", "partition", "offset", "error", "ingest_time"])
+        except LakeError:  # no dead letter yet: the table is made with the first
+            return {"total": 0, "dead_letters": []}
+        newest = rows.take(pc.sort_indices(rows, [("ingest_time", "descending"), ("offset", "descending")])[:limit])
+        return {
+            "total": rows.num_rows,
+            "dead_letters": [{**r, "ingest_time": iso(r["ingest_time"])} for r in newest.to_pylist()],
+        }
 
     # -- source row → chunk versions → answers -------------------------------------------------
 

@@ -204,6 +204,25 @@ class AnswerLineage(Out):
     sentences: list[dict[str, Any]]
 
 
+class WhoAmI(Out):
+    principal: str
+    groups: list[str]
+    auditor: bool
+
+
+class DeadLetterOut(Out):
+    topic: str
+    partition: int
+    offset: int
+    error: str
+    ingest_time: str | None = None
+
+
+class DeadLetters(Out):
+    total: int
+    dead_letters: list[DeadLetterOut]
+
+
 class Live(Out):
     status: Literal["alive"]
 

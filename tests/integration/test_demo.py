@@ -58,6 +58,7 @@ def test_demo_shows_the_whole_story_and_exits_0(tmp_path: Path) -> None:
     assert re.search(r"DELETE FROM docs WHERE id = '\S+': [1-9]\d* of its chunks were in the top 10, none after", text)
     assert re.search(r"INSERT INTO docs \('demo/streaming', …\): top search result after", text)
     assert "public.docs pk=" in text and "lake version" in text  # the lineage chain
+    assert re.search(r"lineage explorer: http://127\.0\.0\.1:\d+/ui ", text) and "/ui/answers/" in text
     assert "none from faq/gui: True" in text and "HTTP 404" in text
     # the API name is searched in each mode: BM25 finds the one document that writes it
     assert "query 'json.loads' (mentioned only in tutorial/inputoutput)" in text

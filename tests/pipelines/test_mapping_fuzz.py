@@ -96,6 +96,8 @@ def oracle(mapping: TableMapping, row: dict[str, Any]) -> tuple[str, str, tuple[
         value = row.get(col) if col else None
         return "" if value is None else value if isinstance(value, str) else None
 
+    if mapping.text_columns and not any(c in row for c in mapping.text_columns):
+        return "text column"  # every one missing (not null): a dropped column or the wrong mapping
     title = text_of(mapping.title_column)
     texts = [text_of(c) for c in mapping.text_columns]
     if title is None or any(t is None for t in texts):
