@@ -344,6 +344,9 @@ class Answerer:
         timings: dict[str, float | None],
         error: str | None,
     ) -> None:
+        # the id, and where the lineage explorer shows the answer (no question or text: logs go wider)
+        log.info("answer %s %s for %s (%s, %d sources): /ui/answers/%s",
+                 p.answer_id, status, p.principal.name, p.style, len(p.result.results), p.answer_id)  # fmt: skip
         if self.audit is None:
             return
         results = p.result.results

@@ -11,6 +11,7 @@ README's come from here).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -126,8 +127,10 @@ def type_into(driver: Any, element_id: str, text: str) -> None:
     box.send_keys(text)
 
 
-def test_question_to_answer_to_source_row_and_its_later_changes(site: dict[str, Any]) -> None:
+def test_question_to_answer_to_source_row_and_its_later_changes(site: dict[str, Any], caplog: Any) -> None:
     from selenium.webdriver.common.by import By
+
+    caplog.set_level(logging.INFO, logger="retrieval.answer")
 
     driver = browser()
     try:
@@ -149,6 +152,7 @@ def test_question_to_answer_to_source_row_and_its_later_changes(site: dict[str, 
         assert "still current" in page and "kafka" in page and "lake version" in page and "embedder" in page
         driver.save_screenshot(str(site["shots"] / "answer.png"))
         answer_url = driver.current_url
+        assert answer_url.split("/ui/", 1)[1] in caplog.text  # the service's log links to the page
 
         wait_for(driver, ".source a.source-link", text="pk=1").click()  # a citation → its source row
         wait_for(driver, "#timeline .version")
