@@ -220,9 +220,10 @@ class Lineage:
         hit_np = pc.fill_null(hit, False).to_numpy(zero_copy_only=False)
         chunk_ids = pc.struct_field(flat, "chunk_id").to_pylist()
         numbers = pc.struct_field(flat, "n").to_pylist()
-        used: dict[int, list[tuple[int, str]]] = {}
+        positions = pc.struct_field(flat, "position").to_pylist()
+        used: dict[int, list[tuple[int, str, str]]] = {}
         for i in np.flatnonzero(hit_np):
-            used.setdefault(int(parents[i]), []).append((numbers[i], chunk_ids[i]))
+            used.setdefault(int(parents[i]), []).append((numbers[i], chunk_ids[i], positions[i]))
         out = []
         for row_index, refs in sorted(used.items()):
             row = answers.slice(row_index, 1).to_pylist()[0]
@@ -230,7 +231,8 @@ class Lineage:
             out.append({
                 "answer_id": row["answer_id"], "time": iso(row["time"]), "principal": row["principal"],
                 "question": row["question"], "status": row["status"],
-                "chunk_ids": sorted({c for _, c in refs}), "cited": any(n in cited for n, _ in refs),
+                "chunk_ids": sorted({c for _, c, _ in refs}), "cited": any(n in cited for n, _, _ in refs),
+                "versions": [{"chunk_id": c, "position": p} for c, p in sorted({(c, p) for _, c, p in refs})],
                 "lake_version": row["lake_version"], "index_version": row["index_version"],
             })  # fmt: skip
         out.sort(key=lambda a: a["time"] or "")

@@ -151,6 +151,8 @@ class AnswerUse(Out):
     question: str
     status: str
     chunk_ids: list[str]
+    #: the chunk versions it used (chunk id and position): which version of the thing asked about
+    versions: list[dict[str, str]] = []
     cited: bool
     lake_version: int | None = None
     index_version: int | None = None

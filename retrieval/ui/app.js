@@ -309,9 +309,9 @@ async function sourcePage(table, pk) {
   }
   const changes = [...byPosition.entries()].sort((a, b) => (a[0] < b[0] ? -1 : a[0] > b[0] ? 1 : 0));
   const lastAcl = new Map();
-  // The answers that used a change's versions: those asked while it was the row's newest change.
-  const answersFor = (chunkIds, from, until) =>
-    data.answers.filter((a) => a.chunk_ids.some((id) => chunkIds.includes(id)) && (a.time || "") >= from && (until === undefined || (a.time || "") < until));
+  // The answers whose prompt held one of these chunk versions (chunk id and position).
+  const answersFor = (versions) =>
+    data.answers.filter((a) => (a.versions || []).some((u) => versions.some((v) => v.chunk_id === u.chunk_id && v.source.position === u.position)));
   show(
     el(
       "section",
@@ -332,8 +332,7 @@ async function sourcePage(table, pk) {
           const aclChanged = upserts.some((v) => lastAcl.has(v.chunk_id) && lastAcl.get(v.chunk_id) !== v.acl.join(","));
           const kind = upserts.length === 0 ? "delete" : i === 0 ? "insert" : aclChanged ? "ACL change" : "update";
           for (const v of versions) lastAcl.set(v.chunk_id, v.acl.join(","));
-          const next = changes[i + 1];
-          const used = upserts.length ? answersFor(upserts.map((v) => v.chunk_id), versions[0].ingest_time || "", next && next[1][0].ingest_time) : [];
+          const used = answersFor(upserts);
           return el(
             "div",
             { class: `version ${upserts.length ? "upsert" : "delete"}`, "data-kind": kind },
