@@ -16,6 +16,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,8 @@ def site(tmp_path_factory: pytest.TempPathFactory, ray_local: None) -> Iterator[
     lake.write(DOCS)
     build(lake, tmp / "index", nlist=2)
     letter = {"topic": ["cdc.app.public.docs"], "partition": [0], "offset": [41], "key": [b"{}"], "value": [b"{nope"],
-              "error": ["value is not valid JSON: Expecting property name"], "headers": [None], "ingest_time": [None],
-              "writer": [None], "writer_seq": [None]}  # fmt: skip
+              "error": ["value is not valid JSON: Expecting property name"], "headers": [None],
+              "ingest_time": [datetime.now(UTC)], "writer": [None], "writer_seq": [None]}  # fmt: skip
     LakeWriter(lake.lake, DEAD_LETTERS, "ui-test", None).write(pa.Table.from_pydict(letter, DEAD_LETTERS_SCHEMA))
     engine = SearchEngine(lake.lake, LocalStore(str(tmp / "index")), embedder, ShardCache(tmp / "cache"),
                           EngineOptions(nprobe=2, prefetch=False, tail_poll_s=0.2))  # fmt: skip
