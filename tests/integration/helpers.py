@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
@@ -65,8 +66,9 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(30)
 
 
-def count_dlq(bootstrap: str, topic: str, idle: float = 3.0, timeout: float = 30) -> list[dict[str, str]]:
-    """Headers of the messages on a topic, read until nothing new arrives for ``idle`` s.
+def read_topic(bootstrap: str, topic: str, idle: float = 2.0, timeout: float = 30) -> list[Any]:
+    """Every message on a topic (all partitions; in offset order within each), read until
+    nothing new arrives for ``idle`` s.
 
     (Tansu's watermarks and partition EOFs are per batch, not per record: don't trust them.)
     """
@@ -81,9 +83,14 @@ def count_dlq(bootstrap: str, topic: str, idle: float = 3.0, timeout: float = 30
         if msg is None or msg.error():
             continue
         last = time.monotonic()
-        out.append({k: v.decode() for k, v in (msg.headers() or [])})
+        out.append(msg)
     consumer.close()
     return out
+
+
+def count_dlq(bootstrap: str, topic: str, idle: float = 3.0, timeout: float = 30) -> list[dict[str, str]]:
+    """Headers of the messages on a topic, read until nothing new arrives for ``idle`` s."""
+    return [{k: v.decode() for k, v in (m.headers() or [])} for m in read_topic(bootstrap, topic, idle, timeout)]
 
 
 def delta_commits(lake_dir: Path) -> int:

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 from prometheus_client import REGISTRY
 
 from pipelines.debezium import decode
@@ -19,30 +18,12 @@ from pipelines.lake import Lake
 from pipelines.mapping import MappingConfig
 from pipelines.pgsource import PostgresSource, SourceError, SourceOptions
 from pipelines.records import ChangeEvent, DeadLetter, KafkaCoordinates
-from tests.integration.helpers import cli, ingest_args, kill_group, start
+from tests.integration.helpers import cli, ingest_args, kill_group, read_topic, start
 from tests.integration.test_ingest import chunker_for
 from tests.oracle import assert_lake_matches
 from tests.pgdb import Database, new_database
 
 pytestmark = pytest.mark.integration
-
-
-def read_topic(bootstrap: str, topic: str, idle: float = 2.0, timeout: float = 30) -> list[Any]:
-    """Every message on a topic (both partitions), in offset order per partition."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "pgtest", "enable.auto.commit": False})
-    meta = consumer.list_topics(topic, timeout=10).topics[topic]
-    consumer.assign([TopicPartition(topic, p, 0) for p in meta.partitions])
-    out = []
-    last = time.monotonic()
-    deadline = last + timeout
-    while time.monotonic() - last < idle and time.monotonic() < deadline:
-        msg = consumer.poll(0.2)
-        if msg is None or msg.error():
-            continue
-        last = time.monotonic()
-        out.append(msg)
-    consumer.close()
-    return out
 
 
 def decoded(bootstrap: str, topic: str) -> list[ChangeEvent | DeadLetter]:
