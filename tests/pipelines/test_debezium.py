@@ -107,7 +107,8 @@ def test_malformed_messages_are_dead_letters_with_reasons() -> None:
     assert "needs an 'after' object" in bad(enc(envelope("c", None))).error
     assert "primary key column 'id'" in bad(enc(envelope("c", {"body": "x"}))).error
     assert "text column 'body' is int" in bad(enc(envelope("c", {"id": 1, "body": 5, "acl": []}))).error
-    assert "acl must be" in bad(enc(envelope("c", {"id": 1, "acl": {"x": 1}}))).error
+    assert "acl must be" in bad(enc(envelope("c", {"id": 1, "body": "x", "acl": {"x": 1}}))).error
+    assert "no text column (body) is in the row" in bad(enc(envelope("c", {"id": 1, "acl": []}))).error
     assert "JSON list" in bad(enc([1, 2])).error
     assert "'source'" in bad(enc({"op": "c", "after": {"id": 1}})).error
     assert "tombstone" in bad(None).error
