@@ -845,7 +845,7 @@ def start_postgres_source(
     cdc.app.public.docs; returns a connection (autocommit) to make the changes with."""
     import psycopg2
 
-    from pipelines.pgcluster import LocalPostgres
+    from pipelines.pgcluster import LocalPostgres, docs_table
 
     server = LocalPostgres().start()  # durable: commits are fsynced, as a real database's
     cleanup.append(server.stop)
@@ -853,9 +853,7 @@ def start_postgres_source(
     db.autocommit = True
     cleanup.append(db.close)
     with db.cursor() as cur:
-        cur.execute("CREATE TABLE docs (id int PRIMARY KEY, title text NOT NULL, body text NOT NULL, "
-                    "acl text[] NOT NULL DEFAULT '{}'); ALTER TABLE docs REPLICA IDENTITY FULL; "
-                    "CREATE PUBLICATION streamrag FOR TABLE docs")  # fmt: skip
+        cur.execute(docs_table() + " CREATE PUBLICATION streamrag FOR TABLE docs")
     log = (work / "cdc.log").open("wb")
     procs.append(subprocess.Popen([*CLI, "cdc", "postgres", "--dsn", server.dsn(), "--publication", "streamrag",
                                    "--slot", "fresh", "--bootstrap", bootstrap, "--topic-prefix", "cdc.app",

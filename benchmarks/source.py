@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipelines.broker import free_port, start_broker  # noqa: E402
-from pipelines.pgcluster import LocalPostgres  # noqa: E402
+from pipelines.pgcluster import LocalPostgres, docs_table  # noqa: E402
 
 CLI = [sys.executable, "-m", "retrieval.cli"]
 TOPIC = "cdc.bench.public.docs"
@@ -138,9 +138,7 @@ def main() -> None:
         db = psycopg2.connect(server.dsn())
         db.autocommit = True
         with db.cursor() as cur:
-            cur.execute("CREATE TABLE docs (id int PRIMARY KEY, title text NOT NULL, body text NOT NULL, "
-                        "acl text[] NOT NULL DEFAULT '{}'); ALTER TABLE docs REPLICA IDENTITY FULL; "
-                        "CREATE PUBLICATION bench FOR TABLE docs")  # fmt: skip
+            cur.execute(docs_table() + " CREATE PUBLICATION bench FOR TABLE docs")
             cur.execute("INSERT INTO docs SELECT g, 'Doc ' || g, repeat('y', 200), '{}' "
                         "FROM generate_series(1, %s) g", (args.rows,))  # fmt: skip
 

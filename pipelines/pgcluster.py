@@ -40,6 +40,16 @@ def postgres_bindir() -> Path:
     )
 
 
+def docs_table(key_type: str = "int") -> str:
+    """SQL that makes the ``docs`` table the ingest job's default mapping reads (key ``id``, title,
+    body, ACL groups), with REPLICA IDENTITY FULL: updates and deletes carry the whole old row,
+    as Debezium's events do."""
+    return (
+        f"CREATE TABLE docs (id {key_type} PRIMARY KEY, title text NOT NULL, body text NOT NULL, "
+        "acl text[] NOT NULL DEFAULT '{}'); ALTER TABLE docs REPLICA IDENTITY FULL;"
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from pipelines.pgcluster import LocalPostgres
+from pipelines.pgcluster import LocalPostgres, docs_table
 from retrieval.corpus import PYDOCS, Doc, load_pydocs
 
 TOPIC = "cdc.demo.public.docs"
@@ -88,13 +88,6 @@ def say(text: str = "") -> None:
 
 def heading(text: str) -> None:
     say(f"\n== {text} " + "=" * max(0, 70 - len(text)))
-
-
-DOCS_TABLE = """
-CREATE TABLE docs (id text PRIMARY KEY, title text NOT NULL, body text NOT NULL, acl text[] NOT NULL DEFAULT '{}');
-ALTER TABLE docs REPLICA IDENTITY FULL;  -- updates and deletes carry the whole old row, as Debezium expects
-CREATE PUBLICATION streamrag FOR TABLE docs;
-"""
 
 
 @dataclass
@@ -256,7 +249,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         stack.callback(demo.db.close)
         restricted = [d for d in docs if d.id in RESTRICTED]
         with demo.db.cursor() as cur:
-            cur.execute(DOCS_TABLE)
+            cur.execute(docs_table("text") + " CREATE PUBLICATION streamrag FOR TABLE docs")
             rows = [(d.id, d.title, d.body, ["staff"] if d.id in RESTRICTED else []) for d in docs]
             execute_values(cur, "INSERT INTO docs (id, title, body, acl) VALUES %s", rows, page_size=500)
         say(

@@ -7,19 +7,11 @@ from typing import Any
 
 import psycopg2
 
-from pipelines.pgcluster import LocalPostgres
+from pipelines.pgcluster import LocalPostgres, docs_table
 
 _numbers = itertools.count()
 
-DOCS = """
-CREATE TABLE docs (
-    id int PRIMARY KEY,
-    title text NOT NULL,
-    body text NOT NULL,
-    acl text[] NOT NULL DEFAULT '{}'
-);
-ALTER TABLE docs REPLICA IDENTITY FULL;
-"""
+DOCS = docs_table()
 
 
 class Database:
