@@ -274,7 +274,10 @@ class PostgresSource:
                     raise Unsupported(f"column {column.name!r}: {exc}") from exc
         return out
 
-    def _source(self, table: _Table, lsn: int, ts_ms: int, snapshot: str, tx_id: int | None) -> dict[str, Any]:
+    def _source(self, table: _Table, lsn: int, ts_ms: int, snapshot: str) -> dict[str, Any]:
+        """The event's ``source`` block; the transaction's id and commit record come from the
+        transaction being decoded (none in the snapshot)."""
+        tx = self._tx
         return {
             "version": CONNECTOR_VERSION,
             "connector": "postgresql",
@@ -285,10 +288,10 @@ class PostgresSource:
             "sequence": None,
             "schema": table.relation.schema,
             "table": table.relation.table,
-            "txId": tx_id,
+            "txId": tx.xid if tx is not None else None,
             "lsn": lsn,
             # the transaction's commit record (not Debezium's): changes of one row in commit order
-            "commit_lsn": self._tx.final_lsn if self._tx is not None else lsn,
+            "commit_lsn": tx.final_lsn if tx is not None else lsn,
             "xmin": None,
         }
 
@@ -343,7 +346,7 @@ class PostgresSource:
         return end
 
     def _event(self, table: _Table, op: str, before: Any, after: Any, lsn: int, ts_ms: int,
-               snapshot: str = "false", tx_id: int | None = None) -> None:  # fmt: skip
+               snapshot: str = "false") -> None:  # fmt: skip
         """Publish one change (and a tombstone after a delete); what cannot be converted goes
         as a change with the ``streamrag-error`` header, the raw text values as its ``after``."""
         topic = self.topic(table)
@@ -355,7 +358,7 @@ class PostgresSource:
                 c.name: (None if v is UNCHANGED else v)
                 for c, v in zip(table.relation.columns, after or before or (), strict=False)
             }
-            value = {"op": op, "after": raw, "source": self._source(table, lsn, ts_ms, snapshot, tx_id)}
+            value = {"op": op, "after": raw, "source": self._source(table, lsn, ts_ms, snapshot)}
             log.warning("%s at %s: %s (sent as a dead letter)", topic, _lsn_text(lsn), exc)
             self._send(topic, None, json.dumps(value).encode(), [(ERROR_HEADER, str(exc).encode())])
             metrics.CDC_UNREPRESENTABLE.inc()
@@ -363,17 +366,17 @@ class PostgresSource:
         if op == "u" and before_row is not None and table.keys:
             old_key, new_key = self._key(table, before_row), self._key(table, after_row)
             if old_key is not None and old_key != new_key:  # the primary key changed: as Debezium, d + tombstone + c
-                self._publish(table, "d", before_row, None, lsn, ts_ms, snapshot, tx_id)
-                self._publish(table, "c", None, after_row, lsn, ts_ms, snapshot, tx_id)
+                self._publish(table, "d", before_row, None, lsn, ts_ms, snapshot)
+                self._publish(table, "c", None, after_row, lsn, ts_ms, snapshot)
                 return
-        self._publish(table, op, before_row, after_row, lsn, ts_ms, snapshot, tx_id)
+        self._publish(table, op, before_row, after_row, lsn, ts_ms, snapshot)
 
     def _publish(self, table: _Table, op: str, before: dict[str, Any] | None, after: dict[str, Any] | None,
-                 lsn: int, ts_ms: int, snapshot: str, tx_id: int | None) -> None:  # fmt: skip
+                 lsn: int, ts_ms: int, snapshot: str) -> None:  # fmt: skip
         envelope = {
             "before": before,
             "after": after,
-            "source": self._source(table, lsn, ts_ms, snapshot, tx_id),
+            "source": self._source(table, lsn, ts_ms, snapshot),
             "op": op,
             "ts_ms": int(time.time() * 1000),
             "transaction": None,
@@ -480,7 +483,6 @@ class PostgresSource:
         message = parse(data)
         tx = self._tx
         ts_ms = tx.commit_ts_ms if tx is not None else int(time.time() * 1000)
-        xid = tx.xid if tx is not None else None
         if isinstance(message, Begin):
             self._tx = message
             self._counting = [0, 0, message.commit_ts_ms]
@@ -494,7 +496,7 @@ class PostgresSource:
         elif isinstance(message, Relation):
             self._on_relation(message)
         elif isinstance(message, Insert):
-            self._event(self._table(message.relation), "c", None, message.new, lsn, ts_ms, tx_id=xid)
+            self._event(self._table(message.relation), "c", None, message.new, lsn, ts_ms)
         elif isinstance(message, Update):
             table = self._table(message.relation)
             old = message.old
@@ -502,16 +504,16 @@ class PostgresSource:
             if old is not None and not message.old_is_key and UNCHANGED in new:  # fill TOASTed values from the old row
                 new = tuple(o if n is UNCHANGED else n for o, n in zip(old, new, strict=False))
             before = self._key_row(table, old) if old is not None and message.old_is_key else old
-            self._event(table, "u", before, new, lsn, ts_ms, tx_id=xid)
+            self._event(table, "u", before, new, lsn, ts_ms)
         elif isinstance(message, Delete):
             table = self._table(message.relation)
             old = self._key_row(table, message.old) if message.old_is_key else message.old
-            self._event(table, "d", old, None, lsn, ts_ms, tx_id=xid)
+            self._event(table, "d", old, None, lsn, ts_ms)
         elif isinstance(message, Truncate):
             for oid in message.relations:
                 table = self._table(oid)
                 envelope = {"before": None, "after": None, "op": "t", "ts_ms": int(time.time() * 1000),
-                            "source": self._source(table, lsn, ts_ms, "false", xid)}  # fmt: skip
+                            "source": self._source(table, lsn, ts_ms, "false")}  # fmt: skip
                 log.warning("TRUNCATE of %s.%s at %s", table.relation.schema, table.relation.table, _lsn_text(lsn))
                 self._send(self.topic(table), None, json.dumps(envelope).encode())
                 metrics.CDC_EVENTS.labels("t").inc()
