@@ -335,11 +335,7 @@ class PostgresSource:
         """The end LSN of the last transaction whose events, and every earlier one's, Kafka has
         acknowledged (0: none since the last call); raises if a delivery failed."""
         self.producer.poll(0)  # runs the delivery callbacks
-        if self._errors:
-            raise KafkaIOError(
-                f"{len(self._errors)} change events failed ({'; '.join(self._errors[:3])}); "
-                "the slot keeps them: restart the source."
-            )
+        self._raise_if_failed()
         end = 0
         while self._unacked and self._unacked[0][1] == 0:
             end = self._unacked.popleft()[0]
@@ -388,10 +384,12 @@ class PostgresSource:
             self._send(self.topic(table), key, None)
 
     def _flush(self) -> None:
-        remaining = self.producer.flush(30)
-        if remaining or self._errors:
+        self._raise_if_failed(self.producer.flush(30))
+
+    def _raise_if_failed(self, undelivered: int = 0) -> None:
+        if undelivered or self._errors:
             raise KafkaIOError(
-                f"{remaining} change events undelivered and {len(self._errors)} failed "
+                f"{undelivered} change events undelivered and {len(self._errors)} failed "
                 f"({'; '.join(self._errors[:3])}); the slot keeps them: restart the source."
             )
 
