@@ -793,12 +793,13 @@ def _freshness(
             with db.cursor() as cur:
                 execute_values(cur, "INSERT INTO docs (id, title, body) VALUES %s",
                                [(pk, f"Note {pk}", text) for pk, text in bulk.items()])  # fmt: skip
-        for pk, text in bulk.items() if db is None else ():
-            changes.lsn += 1
-            key, value = envelope(pk, text, changes.lsn)
-            producer.produce(topic, value, key)
-            producer.poll(0)
-        producer.flush(30)
+        else:
+            for pk, text in bulk.items():
+                changes.lsn += 1
+                key, value = envelope(pk, text, changes.lsn)
+                producer.produce(topic, value, key)
+                producer.poll(0)
+            producer.flush(30)
         busy, errors = load(url, queries, 1, 15)
         emit(bench="search_during_bulk_load", lake=store, idle=percentiles(idle), during_bulk_load=percentiles(busy),
              errors=errors, p99_ratio=round(np.percentile(busy, 99) / np.percentile(idle, 99), 2))  # fmt: skip
