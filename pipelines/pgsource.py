@@ -113,6 +113,7 @@ class SourceOptions:
 class _Table:
     relation: Relation
     keys: tuple[str, ...]  # primary key columns (in key order)
+    topic: str
 
 
 def _ident(name: str) -> str:
@@ -295,8 +296,8 @@ class PostgresSource:
             "xmin": None,
         }
 
-    def topic(self, table: _Table) -> str:
-        return f"{self.prefix}.{table.relation.schema}.{table.relation.table}"
+    def topic(self, schema: str, table: str) -> str:
+        return f"{self.prefix}.{schema}.{table}"
 
     def _key(self, table: _Table, row: dict[str, Any] | None) -> bytes | None:
         if not table.keys or row is None or any(k not in row for k in table.keys):
@@ -345,7 +346,6 @@ class PostgresSource:
                snapshot: str = "false") -> None:  # fmt: skip
         """Publish one change (and a tombstone after a delete); what cannot be converted goes
         as a change with the ``streamrag-error`` header, the raw text values as its ``after``."""
-        topic = self.topic(table)
         try:
             before_row = None if before is None else self._row(table, before)
             after_row = None if after is None else self._row(table, after)
@@ -355,8 +355,8 @@ class PostgresSource:
                 for c, v in zip(table.relation.columns, after or before or (), strict=False)
             }
             value = {"op": op, "after": raw, "source": self._source(table, lsn, ts_ms, snapshot)}
-            log.warning("%s at %s: %s (sent as a dead letter)", topic, _lsn_text(lsn), exc)
-            self._send(topic, None, json.dumps(value).encode(), [(ERROR_HEADER, str(exc).encode())])
+            log.warning("%s at %s: %s (sent as a dead letter)", table.topic, _lsn_text(lsn), exc)
+            self._send(table.topic, None, json.dumps(value).encode(), [(ERROR_HEADER, str(exc).encode())])
             metrics.CDC_UNREPRESENTABLE.inc()
             return
         if op == "u" and before_row is not None and table.keys:
@@ -378,10 +378,10 @@ class PostgresSource:
             "transaction": None,
         }
         key = self._key(table, after if after is not None else before)
-        self._send(self.topic(table), key, json.dumps(envelope, separators=(",", ":")).encode())
+        self._send(table.topic, key, json.dumps(envelope, separators=(",", ":")).encode())
         metrics.CDC_EVENTS.labels(op).inc()
         if op == "d" and key is not None:
-            self._send(self.topic(table), key, None)
+            self._send(table.topic, key, None)
 
     def _flush(self) -> None:
         self._raise_if_failed(self.producer.flush(30))
@@ -404,7 +404,7 @@ class PostgresSource:
             )
             return tuple(Column(name, int(oid), False) for name, oid in cur.fetchall())
 
-    def _snapshot(self, repl: Any, tables: list[tuple[str, str]]) -> int:
+    def _snapshot(self, repl: Any, tables: list[tuple[str, str]]) -> None:
         """Create the slot and send every row of ``tables`` as of its consistent point."""
         slot = self.options.slot
         cur = repl.cursor()
@@ -420,10 +420,10 @@ class PostgresSource:
             reader.set_session(isolation_level="REPEATABLE READ", readonly=True)
             with reader.cursor() as setup:
                 setup.execute("SET TRANSACTION SNAPSHOT %s", (snapshot_name,))
-            planned = [(s, t) for s, t in tables]
-            for index, (schema, name) in enumerate(planned):
+            for index, (schema, name) in enumerate(tables):
                 columns = self._columns(schema, name)
-                table = _Table(Relation(0, schema, name, "f", columns), self._primary_key(schema, name))
+                table = _Table(Relation(0, schema, name, "f", columns), self._primary_key(schema, name),
+                               self.topic(schema, name))  # fmt: skip
                 select_list = ", ".join(f"{_ident(c.name)}::text" for c in columns) or "1"
                 rows = reader.cursor(name=f"streamrag_snapshot_{index}")
                 rows.itersize = self.options.snapshot_batch_rows
@@ -440,7 +440,7 @@ class PostgresSource:
                     if self._stop.is_set():
                         raise SourceError("stopped during the snapshot: it starts over at the next start.")
                 if pending is not None:
-                    last = "last" if index == len(planned) - 1 else "true"
+                    last = "last" if index == len(tables) - 1 else "true"
                     self._event(table, "r", None, pending, lsn, ts_ms, last)
                     sent += 1
                 rows.close()
@@ -451,7 +451,6 @@ class PostgresSource:
         self._flush()
         self._save_state({"slot": slot, "snapshot_lsn": consistent, "snapshot_done": True, "database": self.database})
         log.info("snapshot done: %d events acknowledged; streaming from %s", self.sent, consistent)
-        return lsn
 
     # -- stream -----------------------------------------------------------------------------
 
@@ -474,7 +473,7 @@ class PostgresSource:
                 [c.name for c in rel.columns],
             )
         keys = self._primary_key(rel.schema, rel.table) or tuple(c.name for c in rel.columns if c.key)
-        self._tables[rel.oid] = _Table(rel, keys)
+        self._tables[rel.oid] = _Table(rel, keys, self.topic(rel.schema, rel.table))
 
     def handle(self, data: bytes, lsn: int) -> int | None:
         """Apply one pgoutput message; returns a transaction's end LSN at its commit."""
@@ -513,7 +512,7 @@ class PostgresSource:
                 envelope = {"before": None, "after": None, "op": "t", "ts_ms": int(time.time() * 1000),
                             "source": self._source(table, lsn, ts_ms, "false")}  # fmt: skip
                 log.warning("TRUNCATE of %s.%s at %s", table.relation.schema, table.relation.table, _lsn_text(lsn))
-                self._send(self.topic(table), None, json.dumps(envelope).encode())
+                self._send(table.topic, None, json.dumps(envelope).encode())
                 metrics.CDC_EVENTS.labels("t").inc()
         return None
 
@@ -538,23 +537,23 @@ class PostgresSource:
             now = time.monotonic()
             if msg is None or now - last_feedback >= self.options.flush_interval_s:
                 # The slot moves only past transactions whose every event Kafka acknowledged.
-                end = self._acknowledged_up_to()
-                if end > self.confirmed_lsn:
-                    # forced: psycopg2 otherwise holds feedback until its status interval (10 s)
-                    cur.send_feedback(flush_lsn=end, force=True)
-                    self.confirmed_lsn = end
-                    metrics.CDC_CONFIRMED_LSN.set(end)
-                elif now - last_feedback >= self.options.flush_interval_s:
+                if not self._confirm(cur) and now - last_feedback >= self.options.flush_interval_s:
                     cur.send_feedback()  # a keepalive when the status interval is due
                 last_feedback = now
             if msg is None:
                 select.select([repl], [], [], self.options.flush_interval_s)
         self._flush()
+        self._confirm(cur)
+
+    def _confirm(self, cur: Any) -> bool:
+        """Move the slot past the acknowledged transactions, if any are new; whether it moved."""
         end = self._acknowledged_up_to()
-        if end > self.confirmed_lsn:
-            cur.send_feedback(flush_lsn=end, force=True)
-            self.confirmed_lsn = end
-            metrics.CDC_CONFIRMED_LSN.set(end)
+        if end <= self.confirmed_lsn:
+            return False
+        cur.send_feedback(flush_lsn=end, force=True)  # forced: psycopg2 otherwise waits for its 10 s interval
+        self.confirmed_lsn = end
+        metrics.CDC_CONFIRMED_LSN.set(end)
+        return True
 
     # -- running ----------------------------------------------------------------------------
 
@@ -564,7 +563,7 @@ class PostgresSource:
         tables = self._check()
         ensure_topics(
             self.options.bootstrap,
-            [f"{self.prefix}.{schema}.{table}" for schema, table in tables],
+            [self.topic(schema, table) for schema, table in tables],
             self.options.partitions,
             config=self.options.kafka_config,
         )
