@@ -75,6 +75,19 @@ class LocalPostgres:
     def dsn(self, database: str = "postgres") -> str:
         return f"host=127.0.0.1 port={self.port} user={self.user} dbname={database}"
 
+    def create_database(self, name: str) -> str:
+        """Make a database (``name``: a plain identifier); its connection string."""
+        import psycopg2
+
+        admin = psycopg2.connect(self.dsn())
+        try:
+            admin.autocommit = True  # CREATE DATABASE cannot run in a transaction
+            with admin.cursor() as cur:
+                cur.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            admin.close()
+        return self.dsn(name)
+
     def _run(self, *args: str) -> None:
         out = subprocess.run(
             [str(self.bindir / args[0]), *args[1:]], capture_output=True, text=True, timeout=120, **self._run_as

@@ -239,12 +239,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         demo.bootstrap = f"127.0.0.1:{broker_port}"
         postgres = LocalPostgres(durable=False).start()
         stack.callback(postgres.stop)
-        admin = psycopg2.connect(postgres.dsn())
-        admin.autocommit = True
-        with admin.cursor() as cur:
-            cur.execute("CREATE DATABASE demo")
-        admin.close()
-        demo.db = psycopg2.connect(postgres.dsn("demo"))
+        demo.db = psycopg2.connect(postgres.create_database("demo"))
         demo.db.autocommit = True
         stack.callback(demo.db.close)
         restricted = [d for d in docs if d.id in RESTRICTED]

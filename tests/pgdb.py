@@ -42,11 +42,7 @@ class Database:
 
 def new_database(server: LocalPostgres, schema: str = DOCS, publication: str = "streamrag") -> Database:
     name = f"t{next(_numbers)}"
-    admin = psycopg2.connect(server.dsn())
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(f"CREATE DATABASE {name}")
-    admin.close()
+    server.create_database(name)
     db = Database(server, name)
     db.execute(schema)
     db.execute(f"CREATE PUBLICATION {publication} FOR ALL TABLES")
