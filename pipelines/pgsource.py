@@ -329,7 +329,13 @@ class PostgresSource:
             self._errors.append(str(err))
             return
         transaction[1] -= 1
-        if transaction[1] == 0 and transaction[0]:  # its last event, after its commit was read
+        self._observe_acknowledged(transaction)
+
+    @staticmethod
+    def _observe_acknowledged(transaction: list[int]) -> None:
+        """COMMIT → acknowledged, once the commit was read and its last event acknowledged
+        (either may come second: the acknowledgement can arrive before the commit message)."""
+        if transaction[1] == 0 and transaction[0]:
             metrics.CDC_COMMIT_TO_ACK.observe(max(0.0, time.time() - transaction[2] / 1000))
 
     def _acknowledged_up_to(self) -> int:
@@ -488,6 +494,7 @@ class PostgresSource:
             if self._counting is not None:
                 self._counting[0] = message.end_lsn
                 self._unacked.append(self._counting)
+                self._observe_acknowledged(self._counting)
                 self._counting = None
             return message.end_lsn
         elif isinstance(message, Relation):
