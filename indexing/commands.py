@@ -12,13 +12,17 @@ import sys
 import tempfile
 import time
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from indexing.manifest import DEFAULT_GC_GRACE_S, latest_version
 from indexing.settings import IndexBuildSettings
 from pipelines.commands import add_openlineage_arg
 from pipelines.settings import from_args
 from pipelines.storage import ObjectStoreSettings
+
+if TYPE_CHECKING:
+    from indexing.snapshot import Snapshot
+    from pipelines.lake import Lake
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +206,6 @@ def _build(config: IndexBuildSettings) -> dict[str, Any]:
     from indexing.distributed import stop_ray
     from indexing.ivf import BuildOptions, build_index
     from indexing.manifest import collect_garbage, latest_version, publish
-    from indexing.snapshot import plan
     from indexing.store import open_store
     from pipelines.lake import Lake
 
@@ -212,7 +215,7 @@ def _build(config: IndexBuildSettings) -> dict[str, Any]:
     # From here on an outage is most likely passing: every store operation rides it out.
     settings = dataclasses.replace(settings, patience_s=config.store_patience)
     store = open_store(config.index, settings)
-    snap = plan(lake, config.lake_version)
+    snap = _plan(lake, config.lake_version)
     log.info(
         "lake %s version %d: %d live chunks of %s; index store at version %s",
         lake.uri, snap.version, snap.count, snap.model, previous,
@@ -245,6 +248,26 @@ def _build(config: IndexBuildSettings) -> dict[str, Any]:
         "stats": manifest.stats,
     }  # fmt: skip
     return summary
+
+
+def _plan(lake: Lake, version: int | None) -> Snapshot:
+    """The snapshot to build from. A read of the log and the files that fails for another
+    reason than the lake's content (a ``LakeError`` says what is wrong with the lake) is tried
+    twice more, each failure logged with its reason: a build started while the stream commits
+    must not fail on a read that the next attempt gets right."""
+    from indexing.snapshot import plan
+    from pipelines.lake import LakeError
+    from serving.retry import attempts, retrying
+
+    for attempt in retrying(
+        retry_on=lambda exc: isinstance(exc, Exception) and not isinstance(exc, LakeError),
+        stop=attempts(3),
+        log=log,
+        what=f"reading the lake {lake.uri}",
+    ):
+        with attempt:
+            return plan(lake, version)
+    raise AssertionError("unreachable: retrying() re-raises the last failure")
 
 
 def add_lake_commands(sub: Any) -> None:

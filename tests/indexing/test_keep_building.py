@@ -89,3 +89,44 @@ def test_rows_committed_counts_new_rows_only(tmp_path: Path) -> None:
     assert rows_committed(lake, 0, after) is not None
     assert rows_committed(lake, after, after) == 0
     assert rows_committed(lake, before, after + 1) is None  # not committed yet: unknown, not zero
+
+
+def test_a_failed_read_of_the_lake_is_retried_but_not_a_problem_with_the_lake(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import indexing.snapshot as snapshot
+    from pipelines.lake import LakeError
+
+    lake, _ = synthetic_lake(str(tmp_path / "lake"), n=20, dim=8, files=1)
+    real, calls = snapshot.plan, []
+
+    def flaky(lake: Any, version: int | None = None) -> Any:
+        calls.append(version)
+        if len(calls) == 1:
+            raise OSError("Generic LocalFileSystem error: a log file read while it was replaced")
+        return real(lake, version)
+
+    monkeypatch.setattr(snapshot, "plan", flaky)
+    assert commands._plan(lake, None).count == 20
+    assert len(calls) == 2
+    assert "reading the lake" in caplog.text and "a log file read while it was replaced" in caplog.text
+
+    def broken(lake: Any, version: int | None = None) -> Any:
+        calls.append(version)
+        raise LakeError("the lake has no live chunks")
+
+    calls.clear()
+    monkeypatch.setattr(snapshot, "plan", broken)
+    with pytest.raises(LakeError, match="no live chunks"):
+        commands._plan(lake, None)
+    assert len(calls) == 1  # what is wrong with the lake does not change by reading again
+
+    def failing(lake: Any, version: int | None = None) -> Any:
+        calls.append(version)
+        raise OSError("the disk is gone")
+
+    calls.clear()
+    monkeypatch.setattr(snapshot, "plan", failing)
+    with pytest.raises(OSError, match="the disk is gone"):
+        commands._plan(lake, None)
+    assert len(calls) == 3

@@ -180,6 +180,7 @@ def test_steady_ingest_for_minutes_with_searches_and_index_builds(broker: str, r
         samples: list[tuple[float, float, int]] = []  # (time, latency, status)
         builds: list[tuple[float, float, int]] = []  # (start, end, returncode)
         failures: list[str] = []  # each failed build's stderr
+        retried: list[str] = []  # the reads a build retried, with their reasons (shown in the figures)
         rss: list[tuple[float, int]] = []
         lock = threading.Lock()
 
@@ -205,6 +206,7 @@ def test_steady_ingest_for_minutes_with_searches_and_index_builds(broker: str, r
                 builds.append((b0, time.monotonic(), out.returncode))
                 if out.returncode:
                     failures.append(out.stderr[-3000:])
+                retried.extend(line for line in out.stderr.splitlines() if "; retrying in" in line)
 
         def watch() -> None:
             while time.monotonic() < stop:
@@ -253,7 +255,7 @@ def test_steady_ingest_for_minutes_with_searches_and_index_builds(broker: str, r
         "search_p99_ms_ingest": round(pct(ingesting, 99) * 1000, 1),
         "search_p99_ms_ingest_and_build": round(pct(building, 99) * 1000, 1),
         "search_max_ms": round(max(lat for _, lat, _ in samples) * 1000, 1),
-        "builds": len(builds), "build_s": [round(b1 - b0, 1) for b0, b1, _ in builds],
+        "builds": len(builds), "build_retries": retried, "build_s": [round(b1 - b0, 1) for b0, b1, _ in builds],
         "lag_p50_s_first_min": round(pct(first, 50), 2), "lag_p99_s_first_min": round(pct(first, 99), 2),
         "lag_p50_s_last_min": round(pct(last, 50), 2), "lag_p99_s_last_min": round(pct(last, 99), 2),
         "ingest_rss_warm_mb": warm_rss >> 20, "ingest_rss_end_mb": rss[-1][1] >> 20,
