@@ -79,10 +79,14 @@ class LocalStore(ObjectStore):
     def __init__(self, root: str) -> None:
         self.root = root
         self._dir = Path(root)
+        self._resolved: Path | None = None  # the root's real path, resolved once (a resolve per key is enough)
 
     def _path(self, key: str) -> Path:
-        path = (self._dir / key).resolve()
-        if self._dir.resolve() not in path.parents and path != self._dir.resolve():
+        root = self._resolved
+        if root is None:
+            root = self._resolved = self._dir.resolve()
+        path = (root / key).resolve()
+        if not path.is_relative_to(root):
             raise StoreError(f"key {key!r} escapes the store root.")
         return path
 

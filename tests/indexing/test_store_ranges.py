@@ -47,3 +47,20 @@ def test_coalesce() -> None:
     assert coalesce([(10, 5), (0, 5), (100, 1), (16, 0)], gap=5) == [(0, 15), (100, 1)]
     assert coalesce([(0, 100), (10, 5)], gap=0) == [(0, 100)]  # contained
     assert coalesce([], gap=10) == []
+
+
+def test_a_local_key_cannot_escape_the_store_root(tmp_path: Path) -> None:
+    from indexing.store import LocalStore, StoreError
+
+    (tmp_path / "outside").write_bytes(b"secret")
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "link").symlink_to(tmp_path)  # a link inside the store that leads out of it
+    store = LocalStore(str(tmp_path / "store"))
+    store.put("a/b", b"inside")
+    assert store.get("a/../a/b") == b"inside"
+    for key in ("../outside", "a/../../outside", "link/outside", str(tmp_path / "outside")):
+        with pytest.raises(StoreError, match="escapes the store root"):
+            store.get(key)
+    with pytest.raises(StoreError, match="escapes the store root"):
+        store.put("../planted", b"x")
+    assert not (tmp_path / "planted").exists()
