@@ -52,6 +52,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "adding each fresh update skips the disk's fsync; larger ones stay on disk; 0: all on disk (256)",
     )
     p.add_argument(
+        "--keyword-commit-ms",
+        type=int,
+        help="fresh rows are added to the keyword index in the background at most this often, so that its commits "
+        "(4-11 ms of CPU each) do not follow every update; dense search finds a row first, keyword search up to "
+        "this much later; 0: every update's rows are added before it is searched (250)",
+    )
+    p.add_argument(
         "--identifier-weight",
         type=float,
         help="hybrid: the keyword ranking's weight for a query that is an identifier, not a sentence "
@@ -198,6 +205,7 @@ def _engine(config: EngineSettings) -> Any:
         fusion_depth=config.fusion_depth,
         keyword_dir=str(keyword_dir(config.cache_dir or default_cache_dir())),
         keyword_memory_bytes=config.keyword_memory_mb << 20,
+        keyword_commit_s=config.keyword_commit_ms / 1000,
     )
     embedder = load_embedder(config.model, device=config.device, dtype=config.dtype, cpu_threads=config.cpu_threads)
     return SearchEngine(Lake.at(config.lake, settings), open_store(config.index, settings), embedder, cache, options)
