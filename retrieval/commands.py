@@ -54,9 +54,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keyword-commit-ms",
         type=int,
-        help="fresh rows are added to the keyword index in the background at most this often, so that its commits "
-        "(4-11 ms of CPU each) do not follow every update; dense search finds a row first, keyword search up to "
-        "this much later; 0: every update's rows are added before it is searched (250)",
+        help="0 (default): each update's rows are added to the keyword index before the update is searched; N: in "
+        "the background at a lower CPU priority, at most every N ms, so that a busy stream does not cost queries a "
+        "tantivy commit (4-11 ms of CPU) per update; dense search then finds a fresh row first and keyword search "
+        "later, so hybrid ranks it lower meanwhile (0)",
     )
     p.add_argument(
         "--identifier-weight",

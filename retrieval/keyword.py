@@ -176,6 +176,7 @@ class _Committer:
                     return
                 copy = min(self._due, key=self._due.__getitem__)
                 del self._due[copy]
+                self._committed[copy] = time.monotonic()  # rows noted from now on wait an interval
             try:
                 if copy.index.writer_thread not in (None, me):
                     copy.index.close()  # its writer's threads would run at the creator's priority
@@ -184,8 +185,6 @@ class _Committer:
                     metrics.TAIL_STAGE_SECONDS.labels("keyword_commit").observe(time.perf_counter() - started)
             except Exception:  # the next tail update schedules it again
                 log.exception("adding tail rows to a keyword copy failed")
-            with self._wake:
-                self._committed[copy] = time.monotonic()
             del copy
 
     def close(self) -> None:

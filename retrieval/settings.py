@@ -47,7 +47,7 @@ class EngineSettings(BaseSettings):
         256, ge=0, description="keyword working copies kept in memory (/dev/shm) while they fit; 0: on disk"
     )
     keyword_commit_ms: int = Field(
-        250, ge=0, description="fresh rows reach the keyword index at most this often (ms); 0: before each is searched"
+        0, ge=0, description="fresh rows reach the keyword index at most this often (ms); 0: before each is searched"
     )
 
 

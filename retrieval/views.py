@@ -61,7 +61,7 @@ class EngineOptions:
     #: keyword working copies held in memory (a tmpfs) while they fit; 0: all on disk
     keyword_memory_bytes: int = 0
     #: 0: each tail update's rows are added to the keyword index before the update is searched;
-    #: else in the background, at most once per this many seconds (``serve``: 0.25)
+    #: else in the background, at most once per this many seconds (``serve --keyword-commit-ms``)
     keyword_commit_s: float = 0.0
 
 
