@@ -258,6 +258,8 @@ def bench_usefulness(
     shown = set(rng.sample(range(len(qs)), min(show, len(qs))))
     for style in styles:
         hits, found, first, verdicts, exact, latency = [], [], [], [], [], []
+        #: retrieval's hit at as many sources as the answer cites (at least 1), and that many
+        found_at_cited, cited = [], []
         sentences = flagged = 0
         for i, q in enumerate(qs):
             body = http.post(f"{url}/v1/answer", json={"question": q.text, "k": k, "style": style}).json()
@@ -266,6 +268,8 @@ def bench_usefulness(
             found.append(any(r in q.relevant for r in sources.values()))
             first.append(sources.get(1) in q.relevant)
             hits.append(any(int(c["chunk_id"][1:]) in q.relevant for c in body["citations"]))
+            cited.append(len({c["chunk_id"] for c in body["citations"]}))
+            found_at_cited.append(any(sources.get(n) in q.relevant for n in range(1, max(1, cited[-1]) + 1)))
             if dumped:
                 texts = {n: corpus_texts[row] for n, row in sources.items()}
                 dumped.write(json.dumps({"style": style, "question": q.text, "body": body, "texts": texts}) + "\n")
@@ -285,6 +289,8 @@ def bench_usefulness(
         emit(bench="answer_usefulness", style=style, questions=len(qs), k=k,
              hit_rate=round(sum(hits) / len(qs), 3), retrieval_hit_rate=round(sum(found) / len(qs), 3),
              retrieval_hit_rate_at_1=round(sum(first) / len(qs), 3),
+             retrieval_hit_rate_at_cited=round(sum(found_at_cited) / len(qs), 3),
+             cited_chunks_mean=round(sum(cited) / len(qs), 2),
              citation_precision=round(sum(judged) / len(judged), 3) if judged else None, judged=len(judged),
              spans_verbatim=round(sum(exact) / len(exact), 3) if exact else None,
              sentences=sentences, flagged_share=round(flagged / max(1, sentences), 3),
