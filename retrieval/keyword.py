@@ -86,9 +86,10 @@ class _Copy:
 
     def sync(self, tail: TailState) -> None:
         """Add the snapshot's tail rows this copy lacks and note which index rows its commits
-        superseded, now."""
-        self.note(tail)
-        self.add_rows(tail)
+        superseded, now (a query whose copy is up to date takes no lock: the tail's thread may
+        hold one while it commits)."""
+        if self.note(tail):
+            self.add_rows(tail)
 
     def note(self, tail: TailState) -> bool:
         """Note which index rows the snapshot's commits superseded (one lookup by chunk id per

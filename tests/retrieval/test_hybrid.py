@@ -588,3 +588,21 @@ def test_with_a_commit_interval_fresh_rows_reach_keyword_search_in_the_backgroun
     finally:
         engine.stop()
     assert not committer.is_alive()
+
+
+def test_a_query_of_an_up_to_date_copy_does_not_wait_for_a_commit(setup) -> None:  # type: ignore[no-untyped-def]
+    """The tail's thread holds the copy's lock while it commits the next state's rows; queries
+    of the published state must not queue behind it."""
+    engine, lake, _ = setup
+    lake.write([Doc(901, "a walrus in the tail")])
+    assert engine._tail is not None and engine._tail.poll()
+    assert engine.search("walrus", k=1, mode="keyword").results  # the copy is up to date
+    view = engine.current_view()
+    copy = engine.keywords.copy_for(view.reader, view.tail)
+    done = threading.Event()
+    with copy.lock:  # a commit in progress
+        searcher = threading.Thread(target=lambda: (engine.search("walrus", k=1, mode="keyword"), done.set()))
+        searcher.start()
+        finished = done.wait(10)
+    searcher.join()
+    assert finished, "a keyword query waited for the copy's lock"
