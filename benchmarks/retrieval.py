@@ -364,8 +364,6 @@ STAGES = {
     "notice_to_visible_ms": ("streamrag_tail_stage_seconds", "notice_to_visible"),
     "tail_read_ms": ("streamrag_tail_stage_seconds", "read"),
     "tail_follow_ms": ("streamrag_tail_stage_seconds", "follow"),
-    "keyword_commit_ms": ("streamrag_tail_stage_seconds", "keyword_commit"),
-    "keyword_visible_ms": ("streamrag_tail_stage_seconds", "keyword_visible"),
 }
 
 

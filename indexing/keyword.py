@@ -201,8 +201,6 @@ class KeywordIndex:
             path.mkdir(parents=True, exist_ok=True)
         self.index = tantivy.Index(SCHEMA, path=str(path), reuse=False) if create else tantivy.Index.open(str(path))
         self._writer: Any = None
-        #: the thread that made the writer, whose CPU priority its threads inherit
-        self.writer_thread: int | None = None
         self._lock = threading.Lock()
         self.searcher = self.index.searcher()
         #: whether the index has the ``names`` field (an index built before it does not)
@@ -213,7 +211,6 @@ class KeywordIndex:
         with self._lock:
             if self._writer is None:
                 self._writer = self.index.writer(heap_size=WRITER_HEAP, num_threads=1)
-                self.writer_thread = threading.get_ident()
             n = 0
             for doc in docs:
                 self._writer.add_document(doc)
@@ -228,7 +225,7 @@ class KeywordIndex:
         with self._lock:
             if self._writer is not None:
                 self._writer.wait_merging_threads()  # also releases the writer's lock
-                self._writer = self.writer_thread = None
+                self._writer = None
 
     def search(
         self,

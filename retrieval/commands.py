@@ -52,14 +52,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "adding each fresh update skips the disk's fsync; larger ones stay on disk; 0: all on disk (256)",
     )
     p.add_argument(
-        "--keyword-commit-ms",
-        type=int,
-        help="0 (default): each update's rows are added to the keyword index before the update is searched; N: in "
-        "the background at a lower CPU priority, at most every N ms, so that a busy stream does not cost queries a "
-        "tantivy commit (4-11 ms of CPU) per update; dense search then finds a fresh row first and keyword search "
-        "later, so hybrid ranks it lower meanwhile (0)",
-    )
-    p.add_argument(
         "--identifier-weight",
         type=float,
         help="hybrid: the keyword ranking's weight for a query that is an identifier, not a sentence "
@@ -206,7 +198,6 @@ def _engine(config: EngineSettings) -> Any:
         fusion_depth=config.fusion_depth,
         keyword_dir=str(keyword_dir(config.cache_dir or default_cache_dir())),
         keyword_memory_bytes=config.keyword_memory_mb << 20,
-        keyword_commit_s=config.keyword_commit_ms / 1000,
     )
     embedder = load_embedder(config.model, device=config.device, dtype=config.dtype, cpu_threads=config.cpu_threads)
     return SearchEngine(Lake.at(config.lake, settings), open_store(config.index, settings), embedder, cache, options)

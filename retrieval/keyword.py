@@ -26,13 +26,10 @@ ids): that cost every query time in proportion to the tail (0.25 ms for 10 chunk
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
-import sys
 import tempfile
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,7 +48,6 @@ from indexing.keyword import (
     working_copy,
 )
 from indexing.reader import Allow, Hit, IndexReader
-from retrieval import metrics
 from retrieval.tail import TailLog, TailState
 
 log = logging.getLogger(__name__)
@@ -62,9 +58,6 @@ NEVER = np.iinfo(np.int64).max
 #: filtered inside the scan, so only superseded or dead index rows, a tail row's newer
 #: versions and metadata filters can reject one
 SLACK = 16
-
-#: how much the thread that adds tail rows to keyword copies lowers its CPU priority (nice)
-COMMIT_NICE = 10
 
 
 class _Copy:
@@ -77,136 +70,35 @@ class _Copy:
         #: for the tail's commits up to ``stale_upto`` (one lookup by chunk id per newly changed chunk)
         self.stale: dict[int, int] = {}
         self.stale_upto = base_version
-        self.lock = threading.Lock()  # held while tail rows are added (a tantivy commit)
-        self._notes = threading.Lock()  # held while superseded rows are noted: never behind a commit
-        #: the newest tail state seen whose rows are not all added yet, and when its first such row was seen
-        self.latest: TailState | None = None
-        self.pending_since: float | None = None
+        self.lock = threading.Lock()
         self._cleanup = weakref.finalize(self, _remove, index.path)
 
     def sync(self, tail: TailState) -> None:
-        """Add the snapshot's tail rows this copy lacks and note which index rows its commits
-        superseded, now (a query whose copy is up to date takes no lock: the tail's thread may
-        hold one while it commits)."""
-        if self.note(tail):
-            self.add_rows(tail)
-
-    def note(self, tail: TailState) -> bool:
-        """Note which index rows the snapshot's commits superseded (one lookup by chunk id per
-        changed chunk); True if the snapshot holds tail rows this copy lacks (``add_rows``)."""
-        if self.stale_upto < tail.version:
-            with self._notes:
-                if self.stale_upto < tail.version:
-                    for version, chunk_ids in tail.superseding(self.stale_upto):
-                        for key in self.index.keys_of(chunk_ids):
-                            self.stale.setdefault(key, version)
-                    self.stale_upto = tail.version
-        if tail.n <= self.rows:
-            return False
-        with self._notes:
-            if self.latest is None or tail.n > self.latest.n:
-                self.latest = tail
-            if self.pending_since is None:
-                self.pending_since = time.monotonic()
-        return True
-
-    def add_rows(self, tail: TailState | None = None) -> int:
-        """Add the tail rows of ``tail`` (default: the newest state noted) this copy lacks, in one
-        commit (deletes carry no text: not indexed); the number of tail rows added."""
+        """Add the snapshot's tail rows this copy lacks (deletes carry no text: not indexed), and
+        note which index rows its commits superseded."""
+        if self.rows >= tail.n and self.stale_upto >= tail.version:
+            return
         with self.lock:
-            with self._notes:
-                tail = tail or self.latest
-                if tail is None or tail.n <= self.rows:
-                    return 0
-                if self.latest is not None and self.latest.n <= tail.n:
-                    self.latest = None
-                since, self.pending_since = self.pending_since, None
             start = self.rows
-            rows = tail.table.slice(start, tail.n - start).select(["op", "title", "text", "acl"]).to_pydict()
-            self.index.add(
-                document(TAIL | (start + j), title, text, acl)
-                for j, (op, title, text, acl) in enumerate(
-                    zip(rows["op"], rows["title"], rows["text"], rows["acl"], strict=True)
+            if start < tail.n:
+                rows = tail.table.slice(start, tail.n - start).select(["op", "title", "text", "acl"]).to_pydict()
+                self.index.add(
+                    document(TAIL | (start + j), title, text, acl)
+                    for j, (op, title, text, acl) in enumerate(
+                        zip(rows["op"], rows["title"], rows["text"], rows["acl"], strict=True)
+                    )
+                    if op == "upsert"
                 )
-                if op == "upsert"
-            )
-            self.rows = tail.n
-            if since is not None:
-                metrics.TAIL_STAGE_SECONDS.labels("keyword_visible").observe(time.monotonic() - since)
-            return tail.n - start
+                self.rows = tail.n
+            if self.stale_upto < tail.version:
+                for version, chunk_ids in tail.superseding(self.stale_upto):
+                    for key in self.index.keys_of(chunk_ids):
+                        self.stale.setdefault(key, version)
+                self.stale_upto = tail.version
 
     def current(self, key: int, version: int) -> bool:
         """Whether index row ``key`` is still its chunk's newest version at lake ``version``."""
         return self.stale.get(key, NEVER) > version
-
-
-class _Committer:
-    """Adds the tail's rows to keyword copies on a thread of its own, at a lower CPU priority,
-    at most once per ``interval_s`` per copy (the first at once): a tantivy commit costs 4–11 ms
-    of CPU whatever it adds (docs/PITFALLS.md), which a commit per tail update took from the
-    queries. A new row is found by keyword ``interval_s`` (plus a commit) at most after dense
-    search finds it; superseded rows are noted at once, so no keyword query shows a stale one."""
-
-    def __init__(self, interval_s: float, nice: int = COMMIT_NICE) -> None:
-        self.interval_s = interval_s
-        self.nice = nice
-        self._due: dict[_Copy, float] = {}
-        self._committed: weakref.WeakKeyDictionary[_Copy, float] = weakref.WeakKeyDictionary()
-        self._wake = threading.Condition()
-        self._closed = False
-        self._thread: threading.Thread | None = None
-
-    def schedule(self, copy: _Copy) -> None:
-        with self._wake:
-            if self._closed or copy in self._due:
-                return
-            self._due[copy] = self._committed.get(copy, -math.inf) + self.interval_s
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="keyword-commit", daemon=True)
-                self._thread.start()
-            self._wake.notify()
-
-    def _run(self) -> None:
-        _lower_priority(self.nice)
-        me = threading.get_ident()
-        while True:
-            with self._wake:
-                while not self._closed and (not self._due or min(self._due.values()) > time.monotonic()):
-                    self._wake.wait(min(self._due.values()) - time.monotonic() if self._due else None)
-                if self._closed:
-                    return
-                copy = min(self._due, key=self._due.__getitem__)
-                del self._due[copy]
-                self._committed[copy] = time.monotonic()  # rows noted from now on wait an interval
-            try:
-                if copy.index.writer_thread not in (None, me):
-                    copy.index.close()  # its writer's threads would run at the creator's priority
-                started = time.perf_counter()
-                if copy.add_rows():
-                    metrics.TAIL_STAGE_SECONDS.labels("keyword_commit").observe(time.perf_counter() - started)
-            except Exception:  # the next tail update schedules it again
-                log.exception("adding tail rows to a keyword copy failed")
-            del copy
-
-    def close(self) -> None:
-        with self._wake:
-            self._closed = True
-            self._due.clear()
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(10)
-
-
-def _lower_priority(nice: int) -> None:
-    """Raise this thread's nice value by ``nice`` (Linux: a per-thread attribute, inherited by the
-    threads it starts, such as a tantivy writer's)."""
-    if nice <= 0 or sys.platform != "linux":
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as e:
-        log.warning("could not lower the keyword committer's priority: %s", e)
 
 
 class _Slot:
@@ -250,13 +142,7 @@ class KeywordCopies:
     """The keyword working copies of one replica, under one local directory (and in memory
     while they fit ``memory_bytes``)."""
 
-    def __init__(
-        self,
-        root: Path | None = None,
-        memory_bytes: int = 0,
-        memory_dir: Path = MEMORY_DIR,
-        commit_interval_s: float = 0.0,
-    ) -> None:
+    def __init__(self, root: Path | None = None, memory_bytes: int = 0, memory_dir: Path = MEMORY_DIR) -> None:
         #: pristine copies live here (kept across restarts when ``root`` is given); working copies in
         #: ``work`` below it, or in ``memory_dir``. All are made on first use: a dense-only replica
         #: writes nothing.
@@ -272,9 +158,6 @@ class KeywordCopies:
         self._lock = threading.Lock()  # held only to look up slots: a copy is made under its slot's lock
         self._making = 0  # copies being made (prepare deletes no pristine directory meanwhile)
         self._checked: set[Path] = set()  # pristine directories verified by this process
-        #: 0: a copy gets each tail update's rows before the update is searched (a commit per update);
-        #: else a background thread adds them, at most once per this many seconds (see _Committer)
-        self._committer = _Committer(commit_interval_s) if commit_interval_s > 0 else None
 
     @property
     def root(self) -> Path:
@@ -307,14 +190,11 @@ class KeywordCopies:
                     with self._lock:
                         self._making += 1
                     try:
-                        made = self._make(reader, tail.base_version)
-                        made.sync(tail)  # a new copy (an as_of view's) starts with its snapshot's rows
-                        found = slot.copy = made
+                        found = slot.copy = self._make(reader, tail.base_version)
                     finally:
                         with self._lock:
                             self._making -= 1
-                    return found
-        self._follow(found, tail)
+        found.sync(tail)
         return found
 
     def sync_existing(self, reader: IndexReader, tail: TailState) -> None:
@@ -323,13 +203,7 @@ class KeywordCopies:
         with self._lock:
             slot = self._copies.get(tail.log, {}).get(reader.manifest.build_id)
         if slot is not None and slot.copy is not None:
-            self._follow(slot.copy, tail)
-
-    def _follow(self, copy: _Copy, tail: TailState) -> None:
-        if self._committer is None:
-            copy.sync(tail)
-        elif copy.note(tail):
-            self._committer.schedule(copy)
+            slot.copy.sync(tail)
 
     def prepare(self, reader: IndexReader) -> None:
         """Fetch the served version's keyword files ahead of its first query, and delete other
@@ -391,8 +265,6 @@ class KeywordCopies:
         return copy
 
     def close(self) -> None:
-        if self._committer is not None:
-            self._committer.close()
         with self._lock:
             self._copies = weakref.WeakKeyDictionary()
             doomed = [self._root if self.temporary else self._work, self._memory_work]

@@ -44,10 +44,8 @@ TAIL_POLL_ERRORS = Counter("streamrag_tail_poll_errors_total", "Failed polls of 
 TAIL_STAGE_SECONDS = Histogram(
     "streamrag_tail_stage_seconds",
     "Work per tail update, by stage: read (the new commits from the lake, appended to the tail), "
-    "follow (the keyword copy brought up to it: superseded rows noted, and with --keyword-commit-ms 0 its rows "
-    "added), notice_to_visible (the oldest commit notice not yet applied received → every version named so far "
-    "searchable), keyword_commit (a background commit of fresh rows to the keyword copy), keyword_visible (a "
-    "fresh row seen by the tail → found by keyword search)",
+    "follow (the keyword copy brought up to it), notice_to_visible (the oldest commit notice not yet "
+    "applied received → every version named so far searchable)",
     ["stage"],
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
 )

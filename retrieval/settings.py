@@ -46,9 +46,6 @@ class EngineSettings(BaseSettings):
     keyword_memory_mb: int = Field(
         256, ge=0, description="keyword working copies kept in memory (/dev/shm) while they fit; 0: on disk"
     )
-    keyword_commit_ms: int = Field(
-        0, ge=0, description="fresh rows reach the keyword index at most this often (ms); 0: before each is searched"
-    )
 
 
 class ServeSettings(EngineSettings):

@@ -60,9 +60,6 @@ class EngineOptions:
     keyword_dir: str | None = None
     #: keyword working copies held in memory (a tmpfs) while they fit; 0: all on disk
     keyword_memory_bytes: int = 0
-    #: 0: each tail update's rows are added to the keyword index before the update is searched;
-    #: else in the background, at most once per this many seconds (``serve --keyword-commit-ms``)
-    keyword_commit_s: float = 0.0
 
 
 #: search modes: fused keyword and vector, vector only, keyword (BM25) only
@@ -114,9 +111,7 @@ class Views:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self.keywords = KeywordCopies(
-            Path(options.keyword_dir) if options.keyword_dir else None,
-            options.keyword_memory_bytes,
-            commit_interval_s=options.keyword_commit_s,
+            Path(options.keyword_dir) if options.keyword_dir else None, options.keyword_memory_bytes
         )
 
     # -- lifecycle ---------------------------------------------------------------------

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -533,61 +531,6 @@ def test_keyword_copies_in_memory_while_they_fit_answer_like_copies_on_disk(tmp_
     for engine in engines.values():
         engine.stop()
     assert list(memory.iterdir()) == [alive]  # closing removes the copies in memory too
-
-
-def _eventually(check, seconds: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def test_with_a_commit_interval_fresh_rows_reach_keyword_search_in_the_background(
-    tmp_path: Path, ray_local: None
-) -> None:
-    """``serve``'s default: a thread of lower priority adds the tail's rows to the keyword copy
-    at most once per interval (the first at once), so queries do not pay a commit per update.
-    A row's old version leaves keyword results as soon as the tail has the new one, and dense
-    search finds the new one meanwhile."""
-    from prometheus_client import REGISTRY
-
-    def commits() -> float:
-        return REGISTRY.get_sample_value("streamrag_tail_stage_seconds_count", {"stage": "keyword_commit"}) or 0.0
-
-    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
-    docs = corpus(50)
-    lake.write(docs)
-    build(lake, tmp_path / "index")
-    engine = engine_for(lake, tmp_path / "index", keyword_commit_s=8.0)
-    try:
-        engine.search("note", k=1, mode="keyword")  # the live view's copy exists from here on
-        before = commits()
-        first = Doc(900, "a brand new quokka page")
-        lake.write([first])
-        assert engine._tail is not None and engine._tail.poll()
-        assert _eventually(lambda: ids(engine.search("quokka", k=1, mode="keyword")) == [first.chunk_id])
-        assert commits() == before + 1
-        old, new = docs[7], Doc(7, "now about a xylophone")
-        lake.write([old], op="delete")
-        lake.write([new])
-        assert engine._tail.poll()
-        # within the interval: the old version is gone from keyword results at once, the new one waits
-        assert old.chunk_id not in ids(engine.search(old.text, k=50, mode="keyword"))
-        assert ids(engine.search("xylophone", k=1, mode="keyword")) == []
-        assert ids(engine.search(new.text, k=1, mode="dense")) == [new.chunk_id]
-        assert commits() == before + 1
-        assert _eventually(lambda: ids(engine.search("xylophone", k=1, mode="keyword")) == [new.chunk_id])
-        assert commits() == before + 2
-        committer = next(t for t in threading.enumerate() if t.name == "keyword-commit")
-        if sys.platform == "linux":
-            assert committer.native_id is not None
-            own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-            assert os.getpriority(os.PRIO_PROCESS, committer.native_id) > own
-    finally:
-        engine.stop()
-    assert not committer.is_alive()
 
 
 def test_a_query_of_an_up_to_date_copy_does_not_wait_for_a_commit(setup) -> None:  # type: ignore[no-untyped-def]
