@@ -21,6 +21,8 @@ from serving.citations import Embeds
 
 _BOUNDARY = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[A-Z0-9\"'(`*])")
 _LIST_ITEM = re.compile(r"^\s*([-*\u2022]|\d+[.)])\s")
+#: a span that ends with a question mark (closing quotes or markup after it allowed)
+_QUESTION = re.compile(r"\?[\"'`*)\]]*\s*$")
 #: share of a span's score that comes from its whole source's similarity to the question, and how
 #: close to the best span's score another must be to be kept. Chosen on the even-numbered FAQ
 #: questions (benchmarks/answer.py, FAQ pages and whole docs): the answer then cites a gold chunk
@@ -205,6 +207,8 @@ def extract(
                 continue
             if _LEAD_IN.search(text, span.start, span.end):
                 continue  # "defined like this::" says nothing without what follows
+            if _QUESTION.search(text, span.start, span.end):
+                continue  # a question (a FAQ's title quoted in another) answers nothing
             candidates.append((at, n, span))
     if not candidates:
         return []

@@ -130,3 +130,19 @@ def test_tables_and_lead_ins_are_not_quoted_alone() -> None:
     # a lead-in that only points at what follows is left out; one that says something is kept
     assert "Merge them into an iterator of tuples and sort it::" in quoted
     assert not any("like this" in q or "|" in q or "+--" in q or "=====" in q for q in quoted), quoted
+
+
+def test_a_question_is_not_quoted_as_an_answer() -> None:
+    text = (
+        'See also "Why is Python Installed on my Computer?" in the FAQ. '
+        "Python is named after Monty Python's Flying Circus. "
+        "Is it named after the snake? "
+        "It is not named after the snake."
+    )
+    embedder = FakeEmbedder(dim=64)
+    question = embedder.embed(["why is Python named after the snake"])[0]
+    quoted = [e.text for e in extract(question, [(1, text)], embedder, limit=5, window=2.0)]
+    assert all(not q.endswith("?") for q in quoted), quoted
+    # a sentence that only mentions a question, and the answer, are quoted
+    assert 'See also "Why is Python Installed on my Computer?" in the FAQ.' in quoted
+    assert "It is not named after the snake." in quoted
