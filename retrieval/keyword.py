@@ -77,7 +77,7 @@ class _Copy:
         """Add the snapshot's tail rows this copy lacks (deletes carry no text: not indexed), and
         note which index rows its commits superseded."""
         if self.rows >= tail.n and self.stale_upto >= tail.version:
-            return
+            return  # without the lock: the tail's thread holds it while it commits the next state
         with self.lock:
             start = self.rows
             if start < tail.n:

@@ -21,8 +21,6 @@ from serving.citations import Embeds
 
 _BOUNDARY = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[A-Z0-9\"'(`*])")
 _LIST_ITEM = re.compile(r"^\s*([-*\u2022]|\d+[.)])\s")
-#: a span that ends with a question mark (closing quotes or markup after it allowed)
-_QUESTION = re.compile(r"\?[\"'`*)\]]*\s*$")
 #: share of a span's score that comes from its whole source's similarity to the question, and how
 #: close to the best span's score another must be to be kept. Chosen on the even-numbered FAQ
 #: questions (benchmarks/answer.py, FAQ pages and whole docs): the answer then cites a gold chunk
@@ -95,6 +93,8 @@ def _split_titles(text: str, lines: list[tuple[int, int]]) -> list[list[tuple[in
 _UNDERLINE = re.compile(r"[=\-~^*+#\"':.]{3,}")
 #: a sentence that only points at what follows it (code, a list)
 _LEAD_IN = re.compile(r"\b(?:this|these|follows|following|below|example|e\.g\.)\s*::?$", re.I)
+#: a span that ends in a question mark (closing quotes or markup may follow): a question answers nothing
+_QUESTION = re.compile(r"\?[\"'`*)\]]*\s*$")
 #: a table's border: ``+----+---+`` (reST grid), ``==== ====`` (reST simple), ``|---|---|`` (Markdown)
 _TABLE = re.compile(r"^\s*(\+[-=+]{2,}|={2,}( +={2,})+\s*$|\|[-:| ]{3,}\|\s*$)")
 _FENCE = "```"
