@@ -110,6 +110,22 @@ class Runtime:
             metrics.CHUNKS.labels("unchanged").inc(len(new_state.chunks) - written)
         return new_state, [update]
 
+    def embed(self, updates: list[DocUpdate]) -> list[tuple[str, pa.Table]]:
+        """A worker's updates as ``chunks`` rows, at most ``batch_max_events`` updates per
+        call of the model, split by the writer that commits each document (its rows keep
+        their order)."""
+        out: list[tuple[str, pa.Table]] = []
+        step = self.settings.batch_max_events
+        for start in range(0, len(updates), step):
+            rows = self.batch_embedder.rows(updates[start : start + step])
+            writers = [self.writer_key(doc) for doc in rows.column("doc_id").to_pylist()]
+            if len(set(writers)) == 1:
+                out.append((writers[0], rows))
+                continue
+            for writer in sorted(set(writers)):
+                out.append((writer, rows.take([i for i, w in enumerate(writers) if w == writer])))
+        return out
+
     def writer_key(self, name: str) -> str:
         return f"{zlib.crc32(name.encode()) % self.settings.writers:03d}"
 
@@ -194,6 +210,16 @@ def deleted_state_retention(settings: IngestSettings) -> float | None:
     return wanted
 
 
+def _resumed_micro_batches(updates: KeyedStream[DocUpdate], rt: Runtime, timeout: timedelta) -> KeyedStream[pa.Table]:
+    """Rows of the micro-batches that a recovery directory written before embedding moved
+    to every worker still holds: that step batched updates per writer before ``embed``, and
+    its snapshot may hold updates read but not yet embedded. The step stays, under its
+    step id, so that they are embedded and committed on resume; nothing new enters it."""
+    nothing = op.filter("micro-batch-resumes-only", updates, lambda _: False)
+    held = adaptive_collect("micro-batch", nothing, timeout, rt.settings.batch_max_events)  # (writer, [DocUpdate])
+    return op.map_value("embed-resumed", held, rt.batch_embedder.rows)
+
+
 def is_change(item: ChangeEvent | DeadLetter) -> TypeGuard[ChangeEvent]:
     return isinstance(item, ChangeEvent)
 
@@ -231,12 +257,14 @@ def build_flow(
     split = op.branch("split-dead-letters", decoded, is_change)
     by_doc = op.key_on("key-by-doc", split.trues, lambda e: e.doc_id)  # (doc_id, ChangeEvent)
     updates = apply_to_doc("apply-to-doc", by_doc, rt)  # (doc_id, DocUpdate)
-    by_writer = op.key_on(
-        "key-by-writer", op.key_rm("drop-doc-key", updates), lambda u: rt.writer_key(u.doc_id)
-    )  # (writer, DocUpdate)
-    # (writer, [DocUpdate]): a lone change goes at once, a backlog batches (pipelines.batching)
-    batches = adaptive_collect("micro-batch", by_writer, batch_timeout, settings.batch_max_events)
-    rows = op.map_value("embed", batches, rt.batch_embedder.rows)  # (writer, pa.Table)
+    # Embedding runs where each document's state is, so on every worker (a writer's worker
+    # used to embed all of its documents: --writers processes ran the model, whatever the
+    # workers). A worker embeds what an activation brings it together: a lone change at
+    # once, a Kafka poll's backlog in one go (at most --batch-max-events updates per call);
+    # the rows then go to the writer of their document (see ``Runtime.embed``).
+    docs = op.key_rm("drop-doc-key", updates)  # DocUpdate
+    rows = op.flat_map_batch("embed", docs, rt.embed)  # (writer, pa.Table)
+    rows = op.merge("rows", rows, _resumed_micro_batches(updates, rt, batch_timeout))
     notices: Callable[[], NoticePublisher] | None = None  # one publisher per sink partition
     if settings.notices_topic and isinstance(source, IdleStoppingKafkaSource):  # tests' own sources have no broker
         notices = partial(NoticePublisher, settings.bootstrap, settings.notices_topic, settings.kafka_config)

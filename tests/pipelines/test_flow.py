@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,6 +61,55 @@ def test_flow_writes_exactly_the_current_state(tmp_path: Path, workers: int) -> 
     assert_lake_matches(lake, corpus, Runtime(settings, embedder).chunker)
     # Every dead letter went to the topic as well, with its original bytes.
     assert sorted(r["value"] for r in published.rows) == sorted(lake.read(DEAD_LETTERS).column("value").to_pylist())
+
+
+class ThreadCountingEmbedder(FakeEmbedder):
+    """Counts the texts each worker (a thread, in ``cluster_main``) embeds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_thread: Counter[int] = Counter()
+
+    def embed_batch(self, texts):
+        self.by_thread[threading.get_ident()] += len(texts)
+        return super().embed_batch(texts)
+
+
+def test_every_worker_embeds_even_with_fewer_writers(tmp_path: Path) -> None:
+    """Three workers over a two-writer lake: all three run the model (the writers only commit)."""
+    corpus = make_corpus(seed=9, docs=120)
+    settings = prepare(settings_for(tmp_path, writers=2))
+    embedder = ThreadCountingEmbedder()
+    flow = build_flow(settings, TestingSource(messages(tmp_path, corpus), batch_size=20), Published(), embedder)
+    cluster_main(flow, [], 0, worker_count_per_proc=3)
+    assert len(embedder.by_thread) == 3, embedder.by_thread
+    assert min(embedder.by_thread.values()) > 0.15 * sum(embedder.by_thread.values()), embedder.by_thread
+    lake = Lake.at(settings.lake)
+    assert sorted(set(lake.read("chunks").column("writer").to_pylist())) == ["ingest:chunks:000", "ingest:chunks:001"]
+    assert_lake_matches(lake, corpus, Runtime(settings, embedder).chunker)
+
+
+def test_a_recovery_directory_from_before_per_worker_embedding_resumes_without_loss(tmp_path: Path) -> None:
+    """Until embedding moved to every worker, updates were batched per writer before the
+    model, and a snapshot could hold a batch read from the source but not yet embedded.
+
+    The fixture was written by commit 2c8184a: the flow below aborted after two thirds of
+    the messages, while its micro-batch step held updates of 9 chunks (its batches of 4
+    had pushed the wait to a minute). Resumed without the old step, those are lost; the
+    lake must equal the oracle."""
+    import tarfile
+
+    with tarfile.open(Path(__file__).parent / "data" / "recovery-before-per-worker-embedding.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    corpus = make_corpus(seed=21, docs=120)
+    msgs = messages(tmp_path, corpus)
+    cut = len(msgs) * 2 // 3  # the old run had PAUSE and ABORT here: same offsets, no abort
+    items = [*msgs[:cut], TestingSource.PAUSE(timedelta(0)), TestingSource.PAUSE(timedelta(0)), *msgs[cut:]]
+    settings = prepare(settings_for(tmp_path, batch_max_events=4, batch_timeout_ms=60_000))
+    embedder = FakeEmbedder()
+    flow = build_flow(settings, TestingSource(items, batch_size=20), Published(), embedder)
+    run_main(flow, epoch_interval=timedelta(milliseconds=250), recovery_config=RecoveryConfig(tmp_path / "recovery"))
+    assert_lake_matches(Lake.at(settings.lake), corpus, Runtime(settings, embedder).chunker)
 
 
 @pytest.mark.parametrize("epoch_ms", [250, 30_000])
