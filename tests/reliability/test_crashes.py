@@ -1,4 +1,5 @@
-"""Crashes: `kill -9` of a 2-process ingest job at random moments of a 10k-event stream.
+"""Crashes: `kill -9` of a 2-process ingest job at random moments of a 10k-event stream,
+and kill -9s across a rescale from 2 to 3 processes.
 
 Inserts, updates, deletes (with tombstones), late stale updates and garbage, on the real
 broker; the job (2 workers, recovery on) is killed at least 5 times at random commit
@@ -10,11 +11,15 @@ way: this is about the pipeline's state, not the vectors.
 from __future__ import annotations
 
 import random
+import re
+import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from pipelines.broker import free_port
 from pipelines.flow import Runtime
 from pipelines.lake import Lake
 from pipelines.settings import IngestSettings
@@ -50,6 +55,59 @@ def test_five_random_kill_9s_of_two_workers_leave_the_clean_run_result(broker: s
     assert kills >= 5, f"only {kills} kills before the job finished; make the stream longer"
     final = start(args, None, log)
     assert final.wait(600) == 0, log.read_text()[-3000:]
+    settings = IngestSettings(topics=["x"], lake=str(lake_dir), model="fake")
+    chunker = Runtime(settings, load_embedder("fake")).chunker
+    assert_lake_matches(Lake.at(str(lake_dir)), corpus, chunker)
+
+
+def _embedded(port: int) -> float:
+    """The chunks a running ingest process has embedded (its Prometheus counter; 0 if not up)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=0.5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0.0
+    match = re.search(r'^streamrag_ingest_chunks_total\{action="embedded"\} (\S+)$', text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_kill_9s_across_a_rescale_from_two_to_three_workers_leave_the_clean_run_result(
+    broker: str, tmp_path: Path
+) -> None:
+    """A 2-writer lake: 2 workers, kill -9; 3 workers on the same recovery directory, kill -9;
+    3 workers to the end. Every process of a 3-worker run embeds, and the lake equals the oracle."""
+    topic = "cdc.app.public.docs_rescale"
+    corpus = make_corpus(seed=78, docs=2400, paragraphs=2, updates=1200, deletes=300)
+    produce(broker, topic, corpus, tmp_path / "events.jsonl", partitions=4)
+    lake_dir, recovery, log = tmp_path / "lake", tmp_path / "recovery", tmp_path / "ingest.log"
+    port = free_port()
+    embedded = [0.0, 0.0, 0.0]
+
+    def run(workers: int, commits: int | None) -> subprocess.Popen[bytes]:
+        args = [*ingest_args(broker, topic, str(lake_dir), recovery, workers=workers, idle=6), "--model", "fake",
+                "--batch-max-events", "8", "--epoch-interval", "0.5", "--metrics-port", str(port)]  # fmt: skip
+        target = None if commits is None else delta_commits(lake_dir) + commits
+        proc = start(args, None, log)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            if target is not None and delta_commits(lake_dir) >= target:
+                break
+            if workers == 3:
+                embedded[:] = [max(seen, _embedded(port + i)) for i, seen in enumerate(embedded)]
+            time.sleep(0.05)
+        return proc
+
+    proc = run(2, commits=6)
+    assert proc.poll() is None, "the 2-worker run finished before its kill; make the stream longer"
+    kill_group(proc)
+    proc = run(3, commits=6)
+    assert proc.poll() is None, "the first 3-worker run finished before its kill; make the stream longer"
+    kill_group(proc)
+    final = run(3, commits=None)
+    assert final.wait(600) == 0, log.read_text()[-3000:]
+    assert all(n > 0 for n in embedded), f"chunks embedded per process of the 3-worker runs: {embedded}"
+    writers = set(Lake.at(str(lake_dir)).read("chunks", columns=["writer"]).column("writer").to_pylist())
+    assert writers == {"ingest:chunks:000", "ingest:chunks:001"}, writers
     settings = IngestSettings(topics=["x"], lake=str(lake_dir), model="fake")
     chunker = Runtime(settings, load_embedder("fake")).chunker
     assert_lake_matches(Lake.at(str(lake_dir)), corpus, chunker)
