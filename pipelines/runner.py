@@ -156,7 +156,10 @@ def _run_cluster(settings: IngestSettings) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     status = 0
-    while any(c.poll() is None for c in children):
+    # every child is polled each round: a generator in any() would stop at the first one
+    # running, and the failure of a later one (whose peers then wait for it forever) would
+    # go unseen
+    while [c.poll() for c in children].count(None):
         failed = [c for c in children if c.returncode not in (None, 0)]
         if failed:
             status = failed[0].returncode or 1

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port, wait_port
-from tests.integration.helpers import CLI, cli, ingest_args, start
+from tests.integration.helpers import CLI, cli, ingest_args, kill_group, start
 
 pytestmark = pytest.mark.integration
 
@@ -117,3 +117,32 @@ def test_ingest_serves_prometheus_metrics(broker: str, tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(30)
     json.dumps(body[:10])
+
+
+def test_a_failing_process_of_a_multi_process_ingest_stops_the_command(broker: str, tmp_path: Path) -> None:
+    """Process 1 cannot serve its metrics (the port is taken) and exits at start: the command
+    stops the others and exits non-zero instead of waiting forever (process 0 waits for
+    its peer; the supervisor used to poll only until it met a running child)."""
+    import socket
+
+    from pipelines.broker import ensure_topics
+    from tests.corpus import make_corpus
+    from tests.integration.helpers import produce
+
+    topic = "cdc.app.public.docs_one_fails"
+    ensure_topics(broker, [topic])
+    produce(broker, topic, make_corpus(seed=6, docs=5, updates=0, deletes=0), tmp_path / "e.jsonl")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1] - 1  # process 1 serves on port + 1
+        args = [*ingest_args(broker, topic, str(tmp_path / "lake"), None, workers=2, idle=30), "--model", "fake",
+                "--metrics-port", str(port)]  # fmt: skip
+        proc = start(args, None, tmp_path / "log")
+        try:
+            status = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                kill_group(proc)
+    assert status != 0, (tmp_path / "log").read_text()[-2000:]
+    assert "Address already in use" in (tmp_path / "log").read_text()
