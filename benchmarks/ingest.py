@@ -7,6 +7,9 @@ Sections
 - throughput: pipeline chunks/s (Kafka → decode → chunk → embed → Delta commit) vs raw
   ``SentenceTransformer.encode`` of the same chunk texts. Target ratio >= 0.9. Then the
   same pipeline with the int8 embedder (``--dtype int8``): target >= 2x the fp32 pipeline.
+- workers: ``streamrag ingest --workers N`` (N = 1, 2, 3 by default) over a lake of 2
+  writers on the throughput section's documents: chunks/s and the chunks each process
+  embedded. Target: every process embeds (on a GPU machine: throughput per GPU worker).
 - incremental: an update stream where each event rewrites 10% of a document (2 consecutive
   of its 20 paragraphs): embeddings per event and events/s vs re-embedding whole
   documents. Target >= 5x fewer embeddings.
@@ -55,6 +58,7 @@ from pipelines.settings import IngestSettings
 from serving.embedder import Embedder, load_embedder
 from serving.st_embedder import SentenceTransformerEmbedder
 from tests.corpus import body, paragraph
+from tests.integration.helpers import chunks_embedded, free_port_run, rows_committed
 
 TOPIC = "cdc.app.public.docs"
 
@@ -413,11 +417,73 @@ def bench_maintenance(work: Path, commits: int, rows_per_commit: int = 8) -> Non
                 moto.wait(30)
 
 
+def bench_workers(bootstrap: str, work: Path, embedder: Embedder, docs: int, counts: list[int], dtype: str) -> None:
+    """``streamrag ingest --workers N`` as a user runs it, over a lake of 2 writers, on the
+    throughput section's documents: chunks/s, and the chunks each process embedded (its
+    metrics). Each process gets its share of the cores (``--cpu-threads``). The clock
+    starts once the job has committed a warm-up document (every process has then loaded
+    the model: a Bytewax cluster starts only when all are up) and the documents are produced."""
+    rng = random.Random(1)
+    bodies = [body(rng, 3) for _ in range(docs)]
+    events = [
+        envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": b, "acl": []}, 100 + pk) for pk, b in enumerate(bodies)
+    ]
+    warm_text = paragraph(rng)
+    warm_up = envelope(docs, {"id": docs, "title": "warm-up", "body": warm_text, "acl": []}, 99)
+    chunker = Runtime(IngestSettings(topics=["x"], lake=str(work / "unused")), embedder).chunker
+    expected = sum(len(chunker.chunk(text)) for text in [*bodies, warm_text])
+    cores = os.cpu_count() or 1
+    for n in counts:
+        topic, lake = f"{TOPIC}.workers{n}", work / f"workers{n}" / "lake"
+        ensure_topics(bootstrap, [topic], partitions=6)
+        port, threads = free_port_run(n), max(1, cores // n)
+        cmd = [sys.executable, "-m", "retrieval.cli", "ingest", "--bootstrap", bootstrap, "--topic", topic,
+               "--lake", str(lake), "--workers", str(n), "--writers", "2", "--until-idle", "600",
+               "--fetch-wait-ms", "10", "--metrics-port", str(port), "--cpu-threads", str(threads),
+               "--dtype", dtype]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        produce(bootstrap, topic, [warm_up])
+        while proc.poll() is None and not (lake / CHUNKS / "_delta_log" / f"{1:020d}.json").exists():
+            time.sleep(0.05)
+        before = [chunks_embedded(port + i) for i in range(n)]
+        started = time.time()
+        produce(bootstrap, topic, events)
+        # --until-idle counts from the last message read, and a process's counters go with
+        # it: the job is stopped once every expected chunk is committed.
+        embedded = list(before)
+        while proc.poll() is None:
+            embedded = [max(seen, chunks_embedded(port + i)) for i, seen in enumerate(embedded)]
+            if sum(rows_committed(port + i) for i in range(n)) >= expected:
+                embedded = [chunks_embedded(port + i) for i in range(n)]
+                break
+            time.sleep(0.2)
+        proc.terminate()
+        proc.wait(60)
+        rows = Lake.at(str(lake)).read(CHUNKS, columns=["title", "ingest_time"]).to_pylist()
+        newest = max(r["ingest_time"].timestamp() for r in rows)
+        chunks = sum(1 for r in rows if r["title"] != "warm-up")
+        emit(
+            bench="ingest_workers",
+            workers=n,
+            writers=2,
+            dtype=dtype,
+            cpu_threads_per_process=threads,
+            chunks=chunks,
+            embedded_per_process=[int(e - b) for e, b in zip(embedded, before, strict=True)],
+            seconds=round(newest - started, 2),
+            chunks_per_s=round(chunks / (newest - started), 1),
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--only", choices=["throughput", "incremental", "stream", "precision", "maintenance"], action="append"
+        "--only",
+        choices=["throughput", "workers", "incremental", "stream", "precision", "maintenance"],
+        action="append",
     )
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 3], help="worker counts, workers section")
+    parser.add_argument("--workers-dtype", default="fp32", help="the workers section's --dtype (fp32, int8, ...)")
     parser.add_argument("--docs", type=int, default=500, help="documents for the throughput section")
     parser.add_argument("--no-int8", action="store_true", help="leave the int8 embedder out of throughput/precision")
     parser.add_argument("--update-docs", type=int, default=60)
@@ -426,7 +492,7 @@ def main() -> None:
     parser.add_argument("--stream-rate", type=float, default=40.0, help="events/s fed to the stream section")
     parser.add_argument("--commits", type=int, default=1000, help="commits for the maintenance section")
     args = parser.parse_args()
-    sections = set(args.only or ["throughput", "incremental", "stream", "precision", "maintenance"])
+    sections = set(args.only or ["throughput", "workers", "incremental", "stream", "precision", "maintenance"])
     if sections == {"maintenance"}:  # needs neither the broker nor a model
         with tempfile.TemporaryDirectory(prefix="streamrag-bench-") as tmp:
             bench_maintenance(Path(tmp), args.commits)
@@ -443,6 +509,8 @@ def main() -> None:
             int8 = None if args.no_int8 else load_embedder(dtype="int8")
             if "throughput" in sections:
                 bench_throughput(bootstrap, work, embedder, int8, args.docs)
+            if "workers" in sections:
+                bench_workers(bootstrap, work, embedder, args.docs, args.workers, args.workers_dtype)
             if "incremental" in sections:
                 bench_incremental(bootstrap, work, embedder, args.update_docs, args.updates)
             if "precision" in sections:

@@ -93,6 +93,41 @@ def count_dlq(bootstrap: str, topic: str, idle: float = 3.0, timeout: float = 30
     return [{k: v.decode() for k, v in (m.headers() or [])} for m in read_topic(bootstrap, topic, idle, timeout)]
 
 
+def free_port_run(n: int) -> int:
+    """A port P with P .. P + n - 1 free (``ingest --workers n --metrics-port P`` serves one each)."""
+    from serving.process import bind_error, free_port
+
+    for _ in range(100):
+        port = free_port()
+        if port + n <= 65536 and all(bind_error("127.0.0.1", port + i) is None for i in range(n)):
+            return port
+    raise RuntimeError(f"no run of {n} free ports found")
+
+
+def _counter(port: int, sample: str) -> float:
+    """A sample of a running ingest process's Prometheus metrics (0 when it serves none)."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=0.5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0.0
+    match = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def chunks_embedded(port: int) -> float:
+    """The chunks a running ingest process has embedded so far."""
+    return _counter(port, 'streamrag_ingest_chunks_total{action="embedded"}')
+
+
+def rows_committed(port: int) -> float:
+    """The ``chunks`` rows a running ingest process has committed so far."""
+    return _counter(port, 'streamrag_ingest_lake_rows_total{table="chunks"}')
+
+
 def delta_commits(lake_dir: Path) -> int:
     log = lake_dir / "chunks" / "_delta_log"
     return len(list(log.glob("*.json"))) if log.is_dir() else 0

@@ -11,21 +11,26 @@ way: this is about the pipeline's state, not the vectors.
 from __future__ import annotations
 
 import random
-import re
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from pipelines.broker import free_port
 from pipelines.flow import Runtime
 from pipelines.lake import Lake
 from pipelines.settings import IngestSettings
 from serving.embedder import load_embedder
 from tests.corpus import make_corpus
-from tests.integration.helpers import delta_commits, ingest_args, kill_group, produce, start
+from tests.integration.helpers import (
+    chunks_embedded,
+    delta_commits,
+    free_port_run,
+    ingest_args,
+    kill_group,
+    produce,
+    start,
+)
 from tests.oracle import assert_lake_matches
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
@@ -60,17 +65,6 @@ def test_five_random_kill_9s_of_two_workers_leave_the_clean_run_result(broker: s
     assert_lake_matches(Lake.at(str(lake_dir)), corpus, chunker)
 
 
-def _embedded(port: int) -> float:
-    """The chunks a running ingest process has embedded (its Prometheus counter; 0 if not up)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=0.5) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return 0.0
-    match = re.search(r'^streamrag_ingest_chunks_total\{action="embedded"\} (\S+)$', text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
-
 def test_kill_9s_across_a_rescale_from_two_to_three_workers_leave_the_clean_run_result(
     broker: str, tmp_path: Path
 ) -> None:
@@ -80,7 +74,7 @@ def test_kill_9s_across_a_rescale_from_two_to_three_workers_leave_the_clean_run_
     corpus = make_corpus(seed=78, docs=2400, paragraphs=2, updates=1200, deletes=300)
     produce(broker, topic, corpus, tmp_path / "events.jsonl", partitions=4)
     lake_dir, recovery, log = tmp_path / "lake", tmp_path / "recovery", tmp_path / "ingest.log"
-    port = free_port()
+    port = free_port_run(3)
     embedded = [0.0, 0.0, 0.0]
 
     def run(workers: int, commits: int | None) -> subprocess.Popen[bytes]:
@@ -93,7 +87,7 @@ def test_kill_9s_across_a_rescale_from_two_to_three_workers_leave_the_clean_run_
             if target is not None and delta_commits(lake_dir) >= target:
                 break
             if workers == 3:
-                embedded[:] = [max(seen, _embedded(port + i)) for i, seen in enumerate(embedded)]
+                embedded[:] = [max(seen, chunks_embedded(port + i)) for i, seen in enumerate(embedded)]
             time.sleep(0.05)
         return proc
 
