@@ -18,7 +18,9 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any, Protocol
+from zoneinfo import ZoneInfo
 
 import faiss
 import numpy as np
@@ -433,9 +435,14 @@ class IndexReader:
         for hit in hits:
             by_shard.setdefault(hit.shard, []).append(hit.faiss_id)
         for s, faiss_ids in by_shard.items():
-            found.update(
-                zip(((s, i) for i in faiss_ids), take_rows(self.shard(s).ids, faiss_ids, columns), strict=True)
-            )
+            shard = self.shard(s)
+            table = shard.ids
+            if columns:  # selected once per shard (a query's lookup is then one take)
+                key = ("columns", tuple(columns))
+                table = shard.derived.get(key)
+                if table is None:
+                    table = shard.derived.setdefault(key, select_present(shard.ids, columns))
+            found.update(zip(((s, i) for i in faiss_ids), take_rows(table, faiss_ids), strict=True))
         return [{**found[(h.shard, h.faiss_id)], "score": h.score} for h in hits]
 
     def vectors(self, hits: list[Hit]) -> np.ndarray:
@@ -475,8 +482,32 @@ def _merge(
 
 def take_rows(table: pa.Table, indices: list[int], columns: list[str] | None = None) -> list[dict[str, Any]]:
     """Rows ``indices`` of a table as dicts (one take for all of them; optionally some columns)."""
-    if columns:  # columns an older table lacks (indexes built before they existed) are left out
-        names = set(table.schema.names)  # once: ``column_names`` builds a new list at every call
-        table = table.select([c for c in columns if c in names])
-    picked = table.take(pa.array(indices, pa.int64())).to_pydict()
-    return [dict(zip(picked, values, strict=True)) for values in zip(*picked.values(), strict=True)]
+    if not indices:
+        return []
+    if columns:
+        table = select_present(table, columns)
+    picked = table.take(pa.array(indices, pa.int64()))
+    values = {name: python_values(picked.column(name)) for name in picked.column_names}
+    return [dict(zip(values, row, strict=True)) for row in zip(*values.values(), strict=True)]
+
+
+_UTC = ZoneInfo("UTC")
+_UTC_EPOCH = datetime(1970, 1, 1, tzinfo=_UTC)
+
+
+def python_values(column: pa.ChunkedArray | pa.Array) -> list[Any]:
+    """A column's values as Python objects, as ``to_pylist`` gives them. UTC microsecond
+    timestamps are built from their integers: pyarrow converts each through the time zone,
+    which cost half of a search result's lineage lookup (32 of 61 µs for 10 rows)."""
+    kind = column.type
+    if pa.types.is_timestamp(kind) and kind.tz == "UTC" and kind.unit == "us":
+        return [None if us is None else _UTC_EPOCH + timedelta(microseconds=us)
+                for us in column.cast(pa.int64()).to_pylist()]  # fmt: skip
+    values: list[Any] = column.to_pylist()
+    return values
+
+
+def select_present(table: pa.Table, columns: list[str]) -> pa.Table:
+    """The named columns a table has (an index built before a column existed lacks it)."""
+    names = set(table.schema.names)  # once: ``column_names`` builds a new list at every call
+    return table.select([c for c in columns if c in names])

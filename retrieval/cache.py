@@ -37,6 +37,10 @@ def default_cache_dir() -> Path:
     return Path(base) / "streamrag" / "shards"
 
 
+#: bound once: a query looks up every shard it probes
+_MEMORY_HITS = metrics.CACHE_REQUESTS.labels("memory")
+
+
 class ShardCache:
     def __init__(self, directory: Path | None, memory_bytes: int = 2 << 30, disk_bytes: int = 20 << 30) -> None:
         self.directory = directory
@@ -96,7 +100,7 @@ class ShardCache:
             found = self._memory.get(key)
         if found is not None:
             self.budget.touch(key)
-            metrics.CACHE_REQUESTS.labels("memory").inc()
+            _MEMORY_HITS.inc()
         return found
 
     def _remember(self, key: str, shard: LoadedShard) -> None:

@@ -33,8 +33,8 @@ def shard_filter(
         return where.mask(ids.column("metadata") if "metadata" in ids.column_names else None, ids.num_rows)
 
     def allow(_: int, shard: LoadedShard) -> np.ndarray | None:
-        visible = _memo(shard, ("acl", groups), lambda: acl_mask(shard.ids.column("acl"), groups))
-        mask = None if visible.all() else visible
+        visible = _memo(shard, ("acl", groups), lambda: _restricting(acl_mask(shard.ids.column("acl"), groups)))
+        mask = visible if visible.size else None
         if filter_key is not None:
             matches = _memo(shard, filter_key, lambda: matching(shard))
             mask = matches if mask is None else mask & matches
@@ -45,6 +45,16 @@ def shard_filter(
         return mask
 
     return allow
+
+
+#: a memoised ACL mask that restricts nothing (checking a whole mask per query cost more
+#: than the rest of the filter)
+_ALL_VISIBLE = np.zeros(0, bool)
+
+
+def _restricting(visible: np.ndarray) -> np.ndarray:
+    """The mask, or an empty one when it allows every row."""
+    return _ALL_VISIBLE if visible.all() else visible
 
 
 class _Staleness:

@@ -323,3 +323,27 @@ def test_two_level_only_when_its_sample_is_smaller_than_the_data(tmp_path: Path)
     store = LocalStore(str(tmp_path / "index"))
     manifest = build_index(plan(lake), store.root, NONE, dataclasses.replace(OPTS, nlist=300))  # 64 x 300 > 8000
     assert manifest.stats["kmeans"] == "flat" and "assign_probe" in manifest.stats
+
+
+def test_lineage_rows_come_out_as_pyarrow_gives_them() -> None:
+    """``take_rows`` builds UTC timestamps from their integers (pyarrow's per-value time-zone
+    conversion was half of a search's lineage lookup): the values must be pyarrow's own."""
+    import random
+
+    import pyarrow as pa
+
+    from indexing.reader import python_values, take_rows
+
+    rng = random.Random(3)
+    micros = [None if rng.random() < 0.2 else rng.randint(-(10**15), 4 * 10**15) for _ in range(2000)]
+    stamps = pa.chunked_array([pa.array(micros[:700], pa.int64()), pa.array(micros[700:], pa.int64())])
+    stamps = stamps.cast(pa.timestamp("us", tz="UTC"))
+    assert python_values(stamps) == stamps.to_pylist()
+    assert [v.isoformat() for v in python_values(stamps) if v] == [v.isoformat() for v in stamps.to_pylist() if v]
+    other = pa.array([1, None], pa.int64()).cast(pa.timestamp("us", tz="Europe/Paris"))
+    assert python_values(other) == other.to_pylist()
+    table = pa.table({"t": stamps, "n": pa.array(range(2000)), "s": pa.array([str(i) for i in range(2000)])})
+    picks = [5, 1999, 0, 701, 5]
+    assert take_rows(table, picks) == table.take(picks).to_pylist()
+    assert take_rows(table, picks, ["s", "missing"]) == [{"s": str(i)} for i in picks]
+    assert take_rows(table, []) == []
