@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-from bytewax.connectors.kafka import KafkaError, KafkaSource, KafkaSourceMessage
+from bytewax.connectors.kafka import KafkaError, KafkaSource, KafkaSourceMessage, _list_parts
 from bytewax.inputs import StatefulSourcePartition
 from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
 
 from pipelines import metrics
 from pipelines.records import KafkaCoordinates
@@ -74,6 +75,10 @@ class _IdlePartition(StatefulSourcePartition[SourceItem, Any]):
         self._inner.close()
 
 
+#: consumer properties the job sets that an admin client does not take
+_CONSUMER_ONLY = frozenset({"fetch.wait.max.ms"})
+
+
 class IdleStoppingKafkaSource(KafkaSource):
     """Bytewax's Kafka input, with ``idle_s`` (``--until-idle``) and no busy polling."""
 
@@ -88,6 +93,14 @@ class IdleStoppingKafkaSource(KafkaSource):
             list(brokers), list(topics), tail=True, add_config=add_config, batch_size=500, raise_on_errors=False
         )
         self._idle_s = idle_s
+
+    def list_parts(self) -> list[str]:
+        """As bytewax lists them, without the consumer-only properties: its admin client takes
+        the consumer's configuration, and librdkafka printed a CONFWARN for each, in every
+        process, at every start."""
+        config: dict[str, str | int | float | bool] = {"bootstrap.servers": ",".join(self._brokers)}
+        config.update({k: v for k, v in self._add_config.items() if k not in _CONSUMER_ONLY})
+        return list(_list_parts(AdminClient(config), self._topics))
 
     def build_part(self, step_id: str, for_part: str, resume_state: Any) -> _IdlePartition:  # type: ignore[override]
         return _IdlePartition(super().build_part(step_id, for_part, resume_state), self._idle_s)

@@ -116,6 +116,7 @@ def test_ingest_serves_prometheus_metrics(broker: str, tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+    assert "CONFWARN" not in (tmp_path / "log").read_text()  # no consumer property reaches an admin client
     json.dumps(body[:10])
 
 
