@@ -119,14 +119,22 @@ def settings_for(bootstrap: str, work: Path, name: str, **kw: object) -> IngestS
     )
 
 
+def throughput_documents(docs: int) -> tuple[random.Random, list[str], list[tuple[bytes, bytes]]]:
+    """The throughput and workers sections' documents (three paragraphs each): their
+    generator (to draw more text from), bodies and change events."""
+    rng = random.Random(1)
+    bodies = [body(rng, 3) for _ in range(docs)]
+    events = [
+        envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": b, "acl": []}, 100 + pk) for pk, b in enumerate(bodies)
+    ]
+    return rng, bodies, events
+
+
 def bench_throughput(
     bootstrap: str, work: Path, embedder: SentenceTransformerEmbedder, int8: Embedder | None, docs: int
 ) -> None:
     """The fp32 pipeline against raw fp32 ``encode``; then the int8 pipeline against both."""
-    rng = random.Random(1)
-    events = [
-        envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": body(rng, 3), "acl": []}, 100 + pk) for pk in range(docs)
-    ]
+    rng, _, events = throughput_documents(docs)
     embedder.embed([paragraph(rng) for _ in range(64)])  # warm-up, as for the baseline below
     seconds, embedded, model_s, texts = pipeline_pass(bootstrap, work, "throughput", embedder, events)
 
@@ -423,11 +431,7 @@ def bench_workers(bootstrap: str, work: Path, embedder: Embedder, docs: int, cou
     metrics). Each process gets its share of the cores (``--cpu-threads``). The clock
     starts once the job has committed a warm-up document (every process has then loaded
     the model: a Bytewax cluster starts only when all are up) and the documents are produced."""
-    rng = random.Random(1)
-    bodies = [body(rng, 3) for _ in range(docs)]
-    events = [
-        envelope(pk, {"id": pk, "title": f"Doc {pk}", "body": b, "acl": []}, 100 + pk) for pk, b in enumerate(bodies)
-    ]
+    rng, bodies, events = throughput_documents(docs)
     warm_text = paragraph(rng)
     warm_up = envelope(docs, {"id": docs, "title": "warm-up", "body": warm_text, "acl": []}, 99)
     chunker = Runtime(IngestSettings(topics=["x"], lake=str(work / "unused")), embedder).chunker

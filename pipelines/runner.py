@@ -159,7 +159,7 @@ def _run_cluster(settings: IngestSettings) -> int:
     # every child is polled each round: a generator in any() would stop at the first one
     # running, and the failure of a later one (whose peers then wait for it forever) would
     # go unseen
-    while [c.poll() for c in children].count(None):
+    while None in [c.poll() for c in children]:
         failed = [c for c in children if c.returncode not in (None, 0)]
         if failed:
             status = failed[0].returncode or 1
