@@ -11,9 +11,10 @@ process and a thread pool for builds too small to repay Ray's start-up.
 
 Many lists (``TWO_LEVEL_MIN_K`` and up) train two-level k-means on a bounded sample and refine
 it on that sample, so each partition is read once for the sample and once for the
-assignment. Assignment goes through a coarse level over the centroids where, on a sample,
-it agrees with exact assignment and is faster; the choice and its measurements are recorded
-in the manifest's ``stats``.
+assignment. Assignment goes through two-level k-means's own cells (a vector compared with the
+lists of its few nearest cells only) where, on a sample, that costs at most 0.005 of
+recall@10 at the nprobe the index is built for and is faster than exact assignment; the
+choice and its measurements are recorded in the manifest's ``stats``.
 
 With ``reuse_centroids``, a build that finds few chunks changed since the last full build
 writes only a delta (``indexing.incremental``) and falls back to this full path otherwise.
@@ -46,6 +47,7 @@ from indexing.kmeans import (
     SAMPLE_PER_LIST,
     TWO_LEVEL_MIN_K,
     CoarseLevel,
+    KMeansResult,
     assign,
     imbalance,
     train_kmeans,
@@ -59,6 +61,7 @@ from indexing.manifest import (
     FileRef,
     Manifest,
     ShardRef,
+    default_nprobe,
     get_verified,
     load_manifest,
     put_file,
@@ -103,6 +106,10 @@ class BuildOptions:
     max_delta: float = 0.10
     #: also write the keyword (BM25) index (``indexing.keyword``) that keyword and hybrid search need
     keyword: bool = True
+    #: assignment through a coarse level may cost at most ``MAX_RECALL_LOSS`` of recall@10
+    #: at this nprobe (None: the service's default for the index's nlist); searches at a
+    #: smaller nprobe may lose more (the manifest's ``stats.assign_recall_loss``)
+    assign_nprobe: int | None = None
 
 
 #: vectors on which a coarse level's agreement with exact assignment is measured
@@ -221,19 +228,27 @@ def chunk_keys(rows: pa.Table) -> bytes:
 # -- the driver ------------------------------------------------------------------------
 
 
-def _coarse_level(data: BuildData, centroids: np.ndarray, seed: int, stats: dict[str, Any]) -> CoarseLevel | None:
-    """A coarse level over many centroids when, on a sample of the data, it agrees with exact
-    assignment (``MIN_AGREEMENT``) and takes less time; else None (exact assignment)."""
+def _coarse_level(
+    data: BuildData, centroids: np.ndarray, cells: np.ndarray | None, opts: BuildOptions, stats: dict[str, Any]
+) -> CoarseLevel | None:
+    """A coarse level over many centroids (two-level k-means's own cells when the centroids
+    come with them) when, on a sample of the data, it costs at most ``MAX_RECALL_LOSS`` of
+    recall@10 at the nprobe the index is built for and assigns faster than exact
+    assignment; else None (exact). What was measured goes into ``stats``."""
     if len(centroids) < TWO_LEVEL_MIN_K:
         return None
-    level = CoarseLevel.fit(centroids, data.sample(CHECK_SAMPLE, seed + 1), seed=seed)
+    level = CoarseLevel.from_cells(centroids, cells) if cells is not None else CoarseLevel.group(centroids, opts.seed)
+    level.calibrate(data.sample(CHECK_SAMPLE, opts.seed + 1), opts.assign_nprobe or default_nprobe(len(centroids)))
     stats.update(
-        assign="coarse-level" if level.faster else "exact",
+        assign="coarse-level" if level.usable else "exact",
+        assign_cells=level.source,
         assign_probe=level.probe,
         assign_agreement=round(level.agreement, 4),
+        assign_nprobe=level.nprobe,
+        assign_recall_loss={str(p): loss for p, loss in level.recall_loss.items()},
         assign_check_ms={"exact": round(level.exact_s * 1000, 1), "coarse_level": round(level.level_s * 1000, 1)},
     )
-    return level if level.faster else None
+    return level if level.usable else None
 
 
 @dataclass
@@ -244,16 +259,18 @@ class Assigned:
     error: float  # mean squared distance to the assigned centroid
 
     @classmethod
-    def run(cls, data: BuildData, centroids: np.ndarray, seed: int, stats: dict[str, Any]) -> Assigned:
-        results = data.map(assign_labels, centroids, _coarse_level(data, centroids, seed, stats))
+    def run(
+        cls, data: BuildData, centroids: np.ndarray, cells: np.ndarray | None, opts: BuildOptions, stats: dict[str, Any]
+    ) -> Assigned:
+        results = data.map(assign_labels, centroids, _coarse_level(data, centroids, cells, opts, stats))
         counts = np.sum([c for c, _ in results], axis=0)
         return cls(counts, sum(o for _, o in results) / max(1, int(counts.sum())))
 
 
-def train_centroids(data: BuildData, nlist: int, opts: BuildOptions, stats: dict[str, Any]) -> np.ndarray:
+def train_centroids(data: BuildData, nlist: int, opts: BuildOptions, stats: dict[str, Any]) -> KMeansResult:
     """Flat k-means over all data for few lists, or when a bounded sample would be all of
     it; else two-level on that sample (each partition is then read once for the sample and
-    once for the assignment).
+    once for the assignment, which goes through two-level k-means's cells).
 
     On the Python docs (40k, 802 lists: the sample would be everything) flat k-means gave
     recall@10 0.954 at the default nprobe against 0.951 for two-level, in less time."""
@@ -261,7 +278,7 @@ def train_centroids(data: BuildData, nlist: int, opts: BuildOptions, stats: dict
     if nlist < TWO_LEVEL_MIN_K or sample >= data.count():
         result = train_kmeans(data, nlist, opts.iterations, seed=opts.seed, progress=opts.progress)
         stats.update(kmeans="flat", kmeans_iterations=result.iterations, kmeans_seconds=round(result.seconds, 3))
-        return result.centroids
+        return result
     result = train_two_level(
         data, nlist, opts.iterations, opts.seed, opts.progress, sample_per_list=opts.sample_per_list, refine=opts.refine
     )
@@ -272,14 +289,15 @@ def train_centroids(data: BuildData, nlist: int, opts: BuildOptions, stats: dict
         kmeans_iterations=result.iterations,
         kmeans_seconds=round(result.seconds, 3),
     )
-    return result.centroids
+    return result
 
 
 def _centroids(
     data: BuildData, snap: Snapshot, store: ObjectStore, opts: BuildOptions
-) -> tuple[np.ndarray, dict[str, Any], Assigned | None]:
+) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any], Assigned | None]:
     """Reuse the previous build's centroids while they still fit (with the assignment that
-    measured their fit), else train new ones."""
+    measured their fit), else train new ones: (centroids, their training cells if two-level,
+    stats, the assignment if one was made)."""
     stats: dict[str, Any] = {}
     if opts.reuse_centroids:
         try:
@@ -292,7 +310,7 @@ def _centroids(
             else:
                 centroids = np.load(io.BytesIO(get_verified(store, prev.centroids))).astype(np.float32)
                 if opts.nlist is None or opts.nlist == len(centroids):
-                    assigned = Assigned.run(data, centroids, opts.seed, stats)
+                    assigned = Assigned.run(data, centroids, None, opts, stats)
                     trained = float(prev.stats.get("trained_quantization_error", assigned.error))
                     drift = (assigned.error - trained) / trained if trained > 0 else 0.0
                     stats.update(
@@ -303,14 +321,14 @@ def _centroids(
                         trained_at_lake_version=prev.stats.get("trained_at_lake_version"),
                     )
                     if drift <= opts.drift_threshold:
-                        return centroids, stats, assigned
+                        return centroids, None, stats, assigned
                     stats["retrained_reason"] = f"quantization error drifted {drift:.1%} > {opts.drift_threshold:.0%}"
                 else:
                     stats["retrained_reason"] = f"nlist changed from {len(centroids)}"
         log.info("retraining centroids: %s", stats["retrained_reason"])
-    centroids = train_centroids(data, opts.nlist or choose_nlist(snap.count), opts, stats)
+    trained_result = train_centroids(data, opts.nlist or choose_nlist(snap.count), opts, stats)
     stats["trained_at_lake_version"] = snap.version
-    return centroids, stats, None
+    return trained_result.centroids, trained_result.cells, stats, None
 
 
 def open_data(snap: Snapshot, executor: str, opts: BuildOptions) -> BuildData:
@@ -404,12 +422,12 @@ def build_index(
         timings["load_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        centroids, stats, assigned = _centroids(data, snap, store, opts)
+        centroids, cells, stats, assigned = _centroids(data, snap, store, opts)
         timings["centroids_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
         if assigned is None:
-            assigned = Assigned.run(data, centroids, opts.seed, stats)
+            assigned = Assigned.run(data, centroids, cells, opts, stats)
             stats.update(
                 trained_quantization_error=assigned.error,
                 trained_imbalance=imbalance(assigned.counts),

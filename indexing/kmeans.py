@@ -80,13 +80,14 @@ def nearest(vectors: Matrix, centroids: Matrix) -> tuple[npt.NDArray[np.float32]
     return dist[:, 0], idx[:, 0]
 
 
-def partial_sums(vectors: Matrix, centroids: Matrix) -> PartialSums:
+def partial_sums(vectors: Matrix, centroids: Matrix, level: CoarseLevel | None = None) -> PartialSums:
+    """One Lloyd step's sums over ``vectors``: each assigned exactly, or through ``level``."""
     k, d = centroids.shape
     sums = np.zeros((k, d), dtype=np.float64)
     counts = np.zeros(k, dtype=np.int64)
     if len(vectors) == 0:
         return PartialSums(sums, counts, 0.0)
-    dist, idx = nearest(vectors, centroids)
+    dist, idx = assign(vectors, centroids, level)
     # One-hot (k x n) sparse matrix times the vectors: a BLAS-speed scatter-add in float64
     # (np.add.at is ~20x slower, and float32 accumulation loses precision on big lists).
     onehot = scipy.sparse.csr_matrix(
@@ -137,6 +138,8 @@ class KMeansResult:
     history: list[float] = field(default_factory=list)
     counts: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     seconds: float = 0.0
+    #: two-level k-means: the coarse cell each list was trained in (None for flat k-means)
+    cells: npt.NDArray[np.int64] | None = None
 
     @property
     def imbalance(self) -> float:
@@ -256,9 +259,19 @@ TWO_LEVEL_MIN_K = 256
 SAMPLE_PER_LIST = 64
 #: training points per coarse cell (faiss's own cap per centroid)
 COARSE_PER_CELL = 256
-#: the coarse-level assignment must agree with exact nearest-centroid assignment on at least
-#: this fraction of a check sample; the probe widens until it does (or becomes exhaustive)
-MIN_AGREEMENT = 0.995
+#: a coarse level may cost at most this much recall@10 at the nprobe an index is built for
+#: (estimated on a check sample by ``RecallCost``); its probe widens until it does
+MAX_RECALL_LOSS = 0.005
+#: cells probed when two-level k-means refines its lists over the sample through its own
+#: cells (a Lloyd step needs good labels, not exact ones)
+REFINE_PROBE = 4
+#: besides the nprobe a build is for, the recall loss of its assignment is reported at these
+REPORTED_NPROBES = (8, 32)
+#: queries of a ``RecallCost`` measurement (each with its 10 nearest vectors of the check sample)
+REACH_QUERIES = 500
+#: ``RecallCost``: a query near a vector is taken to probe the vector's own nprobe / NEAR_MARGIN
+#: nearest lists (measured: see ``RecallCost``)
+NEAR_MARGIN = 4
 #: vectors assigned per block (bounds the gathered copies: block × probe × dim floats)
 ASSIGN_BLOCK = 65_536
 
@@ -333,34 +346,115 @@ def train_two_level(
     history = [sum(r.objective for r in results)]
     rounds = max(r.iterations for r in results)
     centroids = np.ascontiguousarray(np.concatenate([r.centroids for r in results]), dtype=np.float32)
-    # Each refinement step is one S·k pass; the objective and counts returned are those of
-    # the centroids before the last step (a build measures the final ones when it assigns).
-    objective, counts = history[0], np.zeros(k, dtype=np.int64)
+    kept = [c for c in range(k1) if share[c] > 0]
+    cells = np.repeat(np.array(kept, dtype=np.int64), share[kept])
+    counts = np.concatenate([r.counts for r in results]).astype(np.int64)
+    # Each refinement step is one pass over the sample, its points assigned through the
+    # cells they were trained in (``REFINE_PROBE`` nearest cells: S·(√k + probe·√k)
+    # distances, not S·k; 6.5 s → about 1.5 s at 256k × 4,000 lists). The objective and
+    # counts returned are those of the centroids before the last step, through the cells
+    # (a build measures the final ones over all data when it assigns).
+    objective = history[0]
     for _ in range(refine):
-        step = partial_sums(sample, centroids)
+        level = CoarseLevel.from_cells(centroids, cells, counts)
+        level.probe = min(REFINE_PROBE, len(level.cells))
+        step = partial_sums(sample, centroids, level)
         objective, counts = step.objective, step.counts
         history.append(objective)
         nonempty = counts > 0
         centroids[nonempty] = (step.sums[nonempty] / counts[nonempty, None]).astype(np.float32)
-    return KMeansResult(centroids, objective, rounds, history, counts, time.perf_counter() - started)
+    return KMeansResult(centroids, objective, rounds, history, counts, time.perf_counter() - started, cells)
+
+
+class RecallCost:
+    """What assigning a sample's vectors to other lists than their nearest costs a search at
+    nprobe, estimated two ways, the larger counting.
+
+    - **Far neighbours.** The queries are the first ``REACH_QUERIES`` vectors of the sample
+      and their neighbours their 10 nearest other vectors of it; a neighbour is reached when
+      its list is among the query's nprobe nearest lists (``reach``: recall@10 of an IVF
+      index over the sample). The cost is the reach lost against exact labels.
+    - **Near queries.** A vector whose list is not among its own nprobe / ``NEAR_MARGIN``
+      nearest lists is taken to be missed by queries close to it (``missed``).
+
+    Each alone failed where the other held (recall@10 lost against exact assignment, IVF
+    over all vectors, measured 2026-12-05): on the Python docs (40k real embeddings, 802
+    lists, section titles as queries) cells probed 1 / 2 / 4 lost 0.015 / 0.009 / 0.002 at
+    nprobe 128, the far-neighbour estimate said 0.017 / 0.007 / 0.002 and the near one at
+    most 0.0003; at 1M synthetic (4,000 lists, queries beside a document) they lost 0.0004
+    / 0.0008 at nprobe 128 and 0.045 / 0.012 at 32, the near estimate said 0.010 / 0.0004
+    and 0.067 / 0.013, and the far one was negative (a 10k sample's neighbours of a query
+    lie in other topics there, and their lists are reached by chance).
+    """
+
+    def __init__(self, sample: Matrix, centroids: Matrix, nprobes: Sequence[int], queries: int = REACH_QUERIES):
+        sample = np.ascontiguousarray(sample, dtype=np.float32)
+        self.nprobes = list(nprobes)
+        lists: Any = faiss.IndexFlatL2(centroids.shape[1])
+        lists.add(np.ascontiguousarray(centroids, dtype=np.float32))
+        #: each sample vector's nearest lists, nearest first (as many as near queries probe)
+        self.own: npt.NDArray[np.int64] = lists.search(sample, max(1, max(self.nprobes) // NEAR_MARGIN))[1]
+        q = sample[:queries]
+        k = min(10, len(sample) - 1)
+        self.masks: dict[int, npt.NDArray[np.bool_]] = {}
+        self.neighbours = np.zeros((len(q), 0), dtype=np.int64)
+        if k >= 1:
+            index: Any = faiss.IndexFlatL2(sample.shape[1])
+            index.add(sample)
+            _, found = index.search(q, k + 1)
+            # each query's k nearest others (it is usually first; exact duplicates may sort before it)
+            mine = found == np.arange(len(q))[:, None]
+            self.neighbours = np.stack([row[~m][:k] for row, m in zip(found, mine, strict=True)])
+            _, probed = lists.search(q, max(self.nprobes))
+            for nprobe in self.nprobes:
+                mask = np.zeros((len(q), len(centroids)), dtype=bool)
+                np.put_along_axis(mask, probed[:, :nprobe], True, axis=1)
+                self.masks[nprobe] = mask
+        self.base = self.reach(self.own[:, 0])
+
+    def reach(self, labels: npt.NDArray[np.int64]) -> dict[int, float]:
+        """Share of the queries' neighbours reached at each nprobe when they sit in ``labels``'s lists."""
+        rows = np.arange(len(self.neighbours))[:, None]
+        return {p: float(mask[rows, labels[self.neighbours]].mean()) for p, mask in self.masks.items()}
+
+    def missed(self, labels: npt.NDArray[np.int64], within: int) -> float:
+        """Share of the sample whose list is not among its own ``within`` nearest."""
+        return 1.0 - float(np.mean(np.any(self.own[:, :within] == labels[:, None], axis=1)))
+
+    def __call__(self, labels: npt.NDArray[np.int64]) -> dict[int, float]:
+        """The estimated recall@10 lost at each nprobe."""
+        got = self.reach(labels)
+        return {
+            p: max(self.base.get(p, 0.0) - got.get(p, 0.0), self.missed(labels, max(1, p // NEAR_MARGIN)))
+            for p in self.nprobes
+        }
 
 
 @dataclass
 class CoarseLevel:
-    """Centroids grouped into about √k cells by k-means over the centroids themselves.
+    """Lists grouped into cells, each with a coarse centroid: a vector's list is the nearest
+    centroid among those of its ``probe`` nearest cells, N·(cells + probe·lists/cells)
+    distances instead of N·lists.
 
-    A vector's list is the nearest centroid among those of its ``probe`` nearest cells:
-    N·(√k + probe·k/√k) distances instead of N·k. ``fit`` widens the probe until the
-    result agrees with exact assignment on a check sample (``MIN_AGREEMENT``) and times
-    both on it: fewer distances are not always less time (exact assignment is one large
-    BLAS product; a cell's is a small one, and big cells draw most vectors).
+    The cells are two-level k-means's own (``from_cells``) or, for centroids trained flat or
+    reused, cells found by k-means over the centroids (``group``; on data without structure
+    one such cell takes nearly every list, see docs/PITFALLS.md, and the level then loses
+    to exact assignment). ``calibrate`` chooses the probe by the recall it costs at the
+    nprobe the index is built for, and times the level against exact assignment: fewer
+    distances are not always less time (exact assignment is one large BLAS product).
     """
 
     centroids: Matrix
     coarse: Matrix
     cells: list[npt.NDArray[np.int64]]
     probe: int = 1
+    #: "training" (two-level k-means's cells) or "grouped" (k-means over the centroids)
+    source: str = "grouped"
+    #: what ``calibrate`` measured on its check sample: the share assigned as exactly, the
+    #: nprobe the probe was chosen for, the recall lost at it and at ``REPORTED_NPROBES``
     agreement: float = 1.0
+    nprobe: int = 0
+    recall_loss: dict[int, float] = field(default_factory=dict)
     #: seconds to assign the check sample exactly and through this level
     exact_s: float = 0.0
     level_s: float = 0.0
@@ -369,29 +463,62 @@ class CoarseLevel:
     def faster(self) -> bool:
         return self.level_s < self.exact_s
 
+    @property
+    def usable(self) -> bool:
+        """Faster than exact assignment, at a recall cost within ``MAX_RECALL_LOSS`` (after ``calibrate``)."""
+        return self.faster and self.recall_loss.get(self.nprobe, 1.0) <= MAX_RECALL_LOSS
+
     @classmethod
-    def fit(cls, centroids: Matrix, check: Matrix, seed: int = 0, min_agreement: float = MIN_AGREEMENT) -> CoarseLevel:
+    def from_cells(
+        cls, centroids: Matrix, cells: npt.NDArray[np.int64], counts: npt.NDArray[np.int64] | None = None
+    ) -> CoarseLevel:
+        """The level of given cells (``cells[i]``: list i's cell): each cell's coarse centroid
+        is the mean of its lists' centroids weighted by their sizes (``counts``), that is the
+        mean of its vectors."""
+        centroids = np.ascontiguousarray(centroids, dtype=np.float32)
+        weights = np.ones(len(centroids)) if counts is None else np.asarray(counts, dtype=np.float64) + 1e-9
+        members = [np.flatnonzero(cells == c) for c in np.unique(cells)]
+        coarse = np.stack([np.average(centroids[m], axis=0, weights=weights[m]) for m in members])
+        return cls(centroids, np.ascontiguousarray(coarse, dtype=np.float32), members, source="training")
+
+    @classmethod
+    def group(cls, centroids: Matrix, seed: int = 0) -> CoarseLevel:
+        """About √k cells found by k-means over the k centroids themselves."""
         centroids = np.ascontiguousarray(centroids, dtype=np.float32)
         k1 = max(1, round(math.sqrt(len(centroids))))
         grouping = train_kmeans(LocalData(centroids), k1, iterations=10, seed=seed, progress=False)
         _, cell = nearest(centroids, grouping.centroids)
-        cells = [np.flatnonzero(cell == c) for c in range(k1)]
-        keep = [c for c in range(k1) if len(cells[c])]
-        level = cls(centroids, grouping.centroids[keep], [cells[c] for c in keep])
+        keep = [c for c in range(k1) if np.any(cell == c)]
+        return cls(centroids, grouping.centroids[keep], [np.flatnonzero(cell == c) for c in keep])
+
+    def calibrate(
+        self, check: Matrix, nprobe: int, max_loss: float = MAX_RECALL_LOSS, stop_when_slower: bool = True
+    ) -> CoarseLevel:
+        """Widen the probe from 1 until assigning ``check`` through this level costs at most
+        ``max_loss`` of recall@10 at ``nprobe`` (``RecallCost``), or (``stop_when_slower``)
+        until the level is no faster than exact assignment, when ``usable`` is false.
+        Probing every cell is exact."""
+        self.nprobe = max(1, min(nprobe, len(self.centroids)))
+        self.probe = 1
         if len(check) == 0:
-            level.probe = len(level.cells)
-            return level
+            self.probe = len(self.cells)
+            return self
+        check = np.ascontiguousarray(check, dtype=np.float32)
+        nprobes = sorted({self.nprobe, *(p for p in REPORTED_NPROBES if p < self.nprobe)})
         started = time.perf_counter()
-        exact = nearest(check, centroids)[1]
-        level.exact_s = time.perf_counter() - started
-        level.probe = min(2, len(level.cells))
+        exact = nearest(check, self.centroids)[1]
+        self.exact_s = time.perf_counter() - started
+        cost = RecallCost(check, self.centroids, nprobes)
         while True:
             started = time.perf_counter()
-            level.agreement = float(np.mean(level.search(check)[1] == exact))
-            level.level_s = time.perf_counter() - started
-            if level.agreement >= min_agreement or level.probe >= len(level.cells):
-                return level
-            level.probe = min(2 * level.probe, len(level.cells))
+            labels = self.search(check)[1]
+            self.level_s = time.perf_counter() - started
+            self.agreement = float(np.mean(labels == exact))
+            self.recall_loss = {p: round(loss, 4) for p, loss in cost(labels).items()}
+            slower = stop_when_slower and not self.faster
+            if self.recall_loss[self.nprobe] <= max_loss or slower or self.probe >= len(self.cells):
+                return self
+            self.probe = min(2 * self.probe, len(self.cells))
 
     def search(self, vectors: Matrix) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
         """(squared distance, index) of each vector's assigned centroid."""

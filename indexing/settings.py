@@ -23,6 +23,9 @@ class IndexBuildSettings(BaseSettings):
     seed: int = 1234
     shard_mb: float = Field(64.0, gt=0, description="target shard size in MB")
     codec: str = Field("flat", pattern=r"^(flat|sq8|sq4)$", description="how vectors are stored in the shards")
+    assign_nprobe: int | None = Field(
+        None, ge=1, description="the smallest nprobe assignment is chosen for (default: serve's default nprobe)"
+    )
     reuse_centroids: bool = Field(False, description="assign to the last build's centroids unless they drifted")
     drift_threshold: float = Field(0.10, ge=0, description="retrain above this quantization-error growth")
     max_delta: float = Field(

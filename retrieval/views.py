@@ -171,6 +171,14 @@ class Views:
                 f"but the query embedder is {model}; serve it with {hint}.",
                 status=503,
             )
+        stats = reader.manifest.stats
+        built_for = int(stats.get("assign_nprobe") or 0) if stats.get("assign") == "coarse-level" else 0
+        if self.options.nprobe and self.options.nprobe < built_for:
+            log.warning(
+                "index version %d assigned its vectors to lists for searches at nprobe >= %d; at --nprobe %d recall "
+                "may drop more than the 0.005 allowed there (estimated at build: %s by nprobe)",
+                reader.manifest.version, built_for, self.options.nprobe, stats.get("assign_recall_loss"),
+            )  # fmt: skip
         with self._versions_lock:
             self._lake_versions[reader.manifest.version] = reader.manifest.lake_version
         return reader

@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import faiss
 import numpy as np
 import pytest
 
 from indexing.kmeans import (
-    MIN_AGREEMENT,
+    MAX_RECALL_LOSS,
     CoarseLevel,
     KMeansError,
     LocalData,
+    RecallCost,
     nearest,
     partial_sums,
     quotas,
@@ -128,15 +130,65 @@ def test_two_level_against_flat_kmeans() -> None:
     assert after.objective <= 1.06 * flat_obj, after.objective / flat_obj
 
 
-def test_coarse_level_assignment_agrees_with_exact_and_widens_its_probe() -> None:
+def test_recall_cost_measures_far_neighbours_and_near_queries() -> None:
+    """With exact labels, the share of neighbours ``RecallCost.reach`` says a search at
+    nprobe reaches is recall@10 of a faiss IVF index over the sample at that nprobe (each
+    query's nearest other vectors as truth); a vector's list outside its own nearest few
+    counts as missed by queries near it."""
+    x = clustered(4000, 32, 2000)  # nearly without structure: neighbours straddle lists
+    centroids = train_kmeans(LocalData(x), 64, 10, seed=2, progress=False).centroids
+    quantizer = faiss.IndexFlatL2(32)
+    quantizer.add(centroids)
+    _, own = quantizer.search(x, 16)
+    cost = RecallCost(x, centroids, [1, 4, 16], queries=300)
+    np.testing.assert_array_equal(cost.own, own[:, :4])  # 16 // NEAR_MARGIN
+    got = cost.reach(own[:, 0])
+    ivf = faiss.IndexIVFFlat(quantizer, 32, 64)
+    ivf.is_trained = True
+    ivf.add(x)
+    for nprobe in (1, 4, 16):
+        ivf.nprobe = nprobe
+        _, found = ivf.search(x[:300], 11)  # the query itself, then what its probed lists hold nearest
+        pairs = zip(found, cost.neighbours, strict=True)
+        expected = np.mean([len(set(f.tolist()) & set(n.tolist())) / 10 for f, n in pairs])
+        assert got[nprobe] == pytest.approx(expected)
+    assert got[1] < got[4] < got[16] <= 1.0
+    assert cost(own[:, 0]) == {1: 0.0, 4: 0.0, 16: 0.0}  # exact labels cost nothing
+    second = own[:, 1]  # every vector in its second-nearest list
+    assert cost.missed(second, 1) == 1.0 and cost.missed(second, 2) == 0.0
+    lost = cost(second)
+    assert lost[1] == 1.0 and lost[4] == 1.0  # 4 // NEAR_MARGIN = 1: near queries miss them all
+    assert lost[16] == pytest.approx(max(got[16] - cost.reach(second)[16], 0.0))  # within 4: the far estimate
+
+
+def test_a_coarse_level_over_training_cells_bounds_the_recall_it_costs() -> None:
     x = clustered(30_000, 32, 1000)
-    centroids = train_two_level(LocalData(x), 400, 10, seed=1, progress=False).centroids
-    exact = nearest(x, centroids)[1]
-    level = CoarseLevel.fit(centroids, x[:3000])
-    assert level.agreement >= MIN_AGREEMENT and 1 <= level.probe <= len(level.cells)
-    assert np.mean(level.search(x[3000:])[1] == exact[3000:]) >= 0.99  # held-out vectors
-    assert sorted(np.concatenate(level.cells).tolist()) == list(range(400))  # every centroid in one cell
-    strict = CoarseLevel.fit(centroids, x[:3000], min_agreement=1.0)
-    assert strict.probe >= level.probe
+    trained = train_two_level(LocalData(x), 400, 10, seed=1, progress=False)
+    assert trained.cells is not None and len(trained.cells) == 400
+    level = CoarseLevel.from_cells(trained.centroids, trained.cells, trained.counts)
+    assert level.source == "training"
+    assert sorted(np.concatenate(level.cells).tolist()) == list(range(400))  # every list in one cell
+    level.calibrate(x[:5000], nprobe=40, stop_when_slower=False)  # at this size exact assignment is faster
+    assert level.nprobe == 40 and set(level.recall_loss) == {8, 32, 40}
+    assert level.recall_loss[40] <= MAX_RECALL_LOSS and 1 <= level.probe < len(level.cells)
+    # held out: the recall@10 the level's labels cost against exact labels, measured afresh
+    held = x[5000:20_000]
+    fresh = RecallCost(held, trained.centroids, [40])
+    assert fresh(level.search(held)[1])[40] <= 2 * MAX_RECALL_LOSS
+    # a search that probes fewer lists needs more of the vectors in their nearest list
+    narrow = CoarseLevel.from_cells(trained.centroids, trained.cells, trained.counts).calibrate(
+        x[:5000], 1, stop_when_slower=False
+    )
+    assert narrow.probe >= level.probe
+    everything = CoarseLevel(trained.centroids, level.coarse, level.cells, probe=len(level.cells))
+    np.testing.assert_array_equal(everything.search(x)[1], nearest(x, trained.centroids)[1])  # every cell: exact
+
+
+def test_centroids_without_training_cells_are_grouped_by_kmeans() -> None:
+    x = clustered(30_000, 32, 1000)
+    centroids = train_kmeans(LocalData(x), 400, 10, seed=1, progress=False).centroids
+    level = CoarseLevel.group(centroids).calibrate(x[:3000], nprobe=40, stop_when_slower=False)
+    assert level.source == "grouped" and sorted(np.concatenate(level.cells).tolist()) == list(range(400))
+    assert level.recall_loss[40] <= MAX_RECALL_LOSS
     everything = CoarseLevel(centroids, level.coarse, level.cells, probe=len(level.cells))
-    np.testing.assert_array_equal(everything.search(x)[1], exact)  # probing every cell is exact
+    np.testing.assert_array_equal(everything.search(x)[1], nearest(x, centroids)[1])

@@ -110,6 +110,27 @@ def test_selective_filter_widens_the_probe_until_k_are_found(tmp_path: Path, ray
     assert ids(staff)[0] == docs[3].chunk_id and staff.nprobe == 2
 
 
+def test_serving_below_the_nprobe_an_index_was_assigned_for_is_logged(
+    tmp_path: Path, ray_local: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A build that assigned through a coarse level bounds the recall it cost at one nprobe
+    (``stats.assign_nprobe``); a replica told to probe fewer lists says so."""
+    embedder = FakeEmbedder(dim=32)
+    lake = DocLake(str(tmp_path / "lake"), embedder)
+    lake.write(corpus(100))
+    store = LocalStore(str(tmp_path / "index"))
+    manifest = build_index(plan(lake.lake), store.root, ObjectStoreSettings(), OPTS)
+    manifest.stats.update(assign="coarse-level", assign_nprobe=8, assign_recall_loss={"8": 0.003})
+    publish(store, manifest)
+    for nprobe, warned in ((None, False), (8, False), (4, True)):
+        caplog.clear()
+        engine = SearchEngine(lake.lake, store, embedder, None, EngineOptions(nprobe=nprobe, mode="dense"))
+        with caplog.at_level("WARNING", logger="retrieval.views"):
+            engine.start(background=False)
+        assert ("for searches at nprobe >= 8; at --nprobe 4" in caplog.text) is warned, nprobe
+        engine.stop()
+
+
 def test_updates_and_deletes_after_the_index_are_reflected(setup) -> None:
     engine, lake, docs = setup
     old, gone = docs[3], docs[4]
