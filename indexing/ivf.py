@@ -229,7 +229,7 @@ def chunk_keys(rows: pa.Table) -> bytes:
 
 
 def _coarse_level(
-    data: BuildData, centroids: np.ndarray, cells: np.ndarray | None, opts: BuildOptions, stats: dict[str, Any]
+    data: BuildData, centroids: np.ndarray, training: KMeansResult | None, opts: BuildOptions, stats: dict[str, Any]
 ) -> CoarseLevel | None:
     """A coarse level over many centroids (two-level k-means's own cells when the centroids
     come with them) when, on a sample of the data, it costs at most ``MAX_RECALL_LOSS`` of
@@ -237,7 +237,10 @@ def _coarse_level(
     assignment; else None (exact). What was measured goes into ``stats``."""
     if len(centroids) < TWO_LEVEL_MIN_K:
         return None
-    level = CoarseLevel.from_cells(centroids, cells) if cells is not None else CoarseLevel.group(centroids, opts.seed)
+    if training is not None and training.cells is not None:
+        level = CoarseLevel.from_cells(centroids, training.cells, training.counts)
+    else:
+        level = CoarseLevel.group(centroids, opts.seed)
     level.calibrate(data.sample(CHECK_SAMPLE, opts.seed + 1), opts.assign_nprobe or default_nprobe(len(centroids)))
     stats.update(
         assign="coarse-level" if level.usable else "exact",
@@ -260,9 +263,11 @@ class Assigned:
 
     @classmethod
     def run(
-        cls, data: BuildData, centroids: np.ndarray, cells: np.ndarray | None, opts: BuildOptions, stats: dict[str, Any]
-    ) -> Assigned:
-        results = data.map(assign_labels, centroids, _coarse_level(data, centroids, cells, opts, stats))
+        cls, data: BuildData, centroids: np.ndarray, training: KMeansResult | None, opts: BuildOptions,
+        stats: dict[str, Any],
+    ) -> Assigned:  # fmt: skip
+        """``training``: how the centroids were trained, when this build trained them."""
+        results = data.map(assign_labels, centroids, _coarse_level(data, centroids, training, opts, stats))
         counts = np.sum([c for c, _ in results], axis=0)
         return cls(counts, sum(o for _, o in results) / max(1, int(counts.sum())))
 
@@ -294,10 +299,10 @@ def train_centroids(data: BuildData, nlist: int, opts: BuildOptions, stats: dict
 
 def _centroids(
     data: BuildData, snap: Snapshot, store: ObjectStore, opts: BuildOptions
-) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any], Assigned | None]:
+) -> tuple[np.ndarray, KMeansResult | None, dict[str, Any], Assigned | None]:
     """Reuse the previous build's centroids while they still fit (with the assignment that
-    measured their fit), else train new ones: (centroids, their training cells if two-level,
-    stats, the assignment if one was made)."""
+    measured their fit), else train new ones: (centroids, their training if this build
+    trained them, stats, the assignment if one was made)."""
     stats: dict[str, Any] = {}
     if opts.reuse_centroids:
         try:
@@ -326,9 +331,9 @@ def _centroids(
                 else:
                     stats["retrained_reason"] = f"nlist changed from {len(centroids)}"
         log.info("retraining centroids: %s", stats["retrained_reason"])
-    trained_result = train_centroids(data, opts.nlist or choose_nlist(snap.count), opts, stats)
+    training = train_centroids(data, opts.nlist or choose_nlist(snap.count), opts, stats)
     stats["trained_at_lake_version"] = snap.version
-    return trained_result.centroids, trained_result.cells, stats, None
+    return training.centroids, training, stats, None
 
 
 def open_data(snap: Snapshot, executor: str, opts: BuildOptions) -> BuildData:
@@ -422,12 +427,12 @@ def build_index(
         timings["load_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        centroids, cells, stats, assigned = _centroids(data, snap, store, opts)
+        centroids, training, stats, assigned = _centroids(data, snap, store, opts)
         timings["centroids_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
         if assigned is None:
-            assigned = Assigned.run(data, centroids, cells, opts, stats)
+            assigned = Assigned.run(data, centroids, training, opts, stats)
             stats.update(
                 trained_quantization_error=assigned.error,
                 trained_imbalance=imbalance(assigned.counts),

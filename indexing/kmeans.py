@@ -521,27 +521,34 @@ class CoarseLevel:
             self.probe = min(2 * self.probe, len(self.cells))
 
     def search(self, vectors: Matrix) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
-        """(squared distance, index) of each vector's assigned centroid."""
+        """(squared distance, index) of each vector's assigned centroid.
+
+        Each cell's vectors are one small product: cells run in parallel, one BLAS/OpenMP
+        thread each (as two-level k-means trains its cells; see docs/PITFALLS.md)."""
         n = len(vectors)
         best_d = np.full(n, np.inf, dtype=np.float32)
         best_i = np.full(n, -1, dtype=np.int64)
         coarse: Any = faiss.IndexFlatL2(self.coarse.shape[1])
         coarse.add(self.coarse)
-        for lo in range(0, n, ASSIGN_BLOCK):
-            block = np.ascontiguousarray(vectors[lo : lo + ASSIGN_BLOCK], dtype=np.float32)
-            _, probed = coarse.search(block, self.probe)
-            order = np.argsort(probed, axis=None, kind="stable")  # (row, cell) pairs grouped by cell
-            rows_of = order // self.probe
-            bounds = np.searchsorted(probed.ravel()[order], np.arange(len(self.cells) + 1))
-            for c, members in enumerate(self.cells):
-                rows = rows_of[bounds[c] : bounds[c + 1]]
-                if len(rows) == 0:
-                    continue
-                d, i = nearest(block[rows], self.centroids[members])
-                target = rows + lo
-                better = d < best_d[target]
-                best_d[target[better]] = d[better]
-                best_i[target[better]] = members[i[better]]
+        with threadpool_limits(1), ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+            for lo in range(0, n, ASSIGN_BLOCK):
+                block = np.ascontiguousarray(vectors[lo : lo + ASSIGN_BLOCK], dtype=np.float32)
+                _, probed = coarse.search(block, self.probe)
+                order = np.argsort(probed, axis=None, kind="stable")  # (row, cell) pairs grouped by cell
+                rows_of = order // self.probe
+                bounds = np.searchsorted(probed.ravel()[order], np.arange(len(self.cells) + 1))
+
+                def cell(c: int, block: Matrix = block, rows_of: Any = rows_of, bounds: Any = bounds) -> Any:
+                    rows = rows_of[bounds[c] : bounds[c + 1]]
+                    return rows, *(nearest(block[rows], self.centroids[self.cells[c]]) if len(rows) else ((), ()))
+
+                for c, (rows, d, i) in enumerate(pool.map(cell, range(len(self.cells)))):
+                    if len(rows) == 0:
+                        continue
+                    target = rows + lo
+                    better = d < best_d[target]
+                    best_d[target[better]] = d[better]
+                    best_i[target[better]] = self.cells[c][i[better]]
         return best_d, best_i
 
 
