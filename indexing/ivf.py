@@ -254,6 +254,7 @@ def _coarse_level(
         assign_agreement=round(level.agreement, 4),
         assign_nprobe=level.nprobe,
         assign_recall_loss={str(p): loss for p, loss in level.recall_loss.items()},
+        assign_scan_growth=level.scan_growth,
         assign_check_ms={"exact": round(level.exact_s * 1000, 1), "coarse_level": round(level.level_s * 1000, 1)},
     )
     return level if level.usable else None

@@ -308,7 +308,7 @@ def test_many_lists_train_two_level_and_assign_through_its_cells(
     """Two-level k-means's cells assign the vectors; the build records the recall that cost
     on its check sample, and the index's recall@10 at the nprobe it was built for stays
     within 0.01 of the same centroids assigned exactly."""
-    from indexing.kmeans import MAX_RECALL_LOSS, CoarseLevel
+    from indexing.kmeans import MAX_RECALL_LOSS, MAX_SCAN_GROWTH, CoarseLevel
 
     # whether the level is faster than exact assignment is timed, and at this size it is
     # not: the test makes the build use it
@@ -323,6 +323,7 @@ def test_many_lists_train_two_level_and_assign_through_its_cells(
     nprobe = stats["assign_nprobe"]
     assert nprobe == default_nprobe(300) == 48 and set(stats["assign_recall_loss"]) == {"8", "32", "48"}
     assert stats["assign_recall_loss"]["48"] <= MAX_RECALL_LOSS and stats["assign_probe"] >= 1
+    assert stats["assign_scan_growth"] <= MAX_SCAN_GROWTH
     assert stats["kmeans_objective"] == pytest.approx(stats["quantization_error"] * len(x))
     publish(store, manifest)
     reader = IndexReader(store)

@@ -6,10 +6,12 @@ import pytest
 
 from indexing.kmeans import (
     MAX_RECALL_LOSS,
+    MAX_SCAN_GROWTH,
     CoarseLevel,
     KMeansError,
     LocalData,
     RecallCost,
+    imbalance,
     nearest,
     partial_sums,
     quotas,
@@ -174,7 +176,12 @@ def test_a_coarse_level_over_training_cells_bounds_the_recall_it_costs() -> None
     # held out: the recall@10 the level's labels cost against exact labels, measured afresh
     held = x[5000:20_000]
     fresh = RecallCost(held, trained.centroids, [40])
-    assert fresh(level.search(held)[1])[40] <= 2 * MAX_RECALL_LOSS
+    labels = level.search(held)[1]
+    assert fresh(labels)[40] <= 2 * MAX_RECALL_LOSS
+    # ... and what queries scan: the lists' imbalance factor grew by at most MAX_SCAN_GROWTH
+    assert level.scan_growth <= MAX_SCAN_GROWTH
+    exact = imbalance(np.bincount(nearest(held, trained.centroids)[1], minlength=400))
+    assert imbalance(np.bincount(labels, minlength=400)) <= exact * (1 + 2 * MAX_SCAN_GROWTH)
     # a search that probes fewer lists needs more of the vectors in their nearest list
     narrow = CoarseLevel.from_cells(trained.centroids, trained.cells, trained.counts).calibrate(
         x[:5000], 1, stop_when_slower=False
