@@ -548,32 +548,34 @@ class CoarseLevel:
     def search(self, vectors: Matrix) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
         """(squared distance, index) of each vector's assigned centroid.
 
-        Each cell's vectors are one small product: cells run in parallel, one BLAS/OpenMP
-        thread each (as two-level k-means trains its cells; see docs/PITFALLS.md)."""
+        Blocks of vectors run in parallel, one BLAS/OpenMP thread each: a block's work is
+        small products (its vectors of each cell against that cell's lists), where the
+        libraries' threads cost more than they give (as for two-level k-means's cells; see
+        docs/PITFALLS.md), and parallel blocks also overlap each block's serial numpy work."""
         n = len(vectors)
         best_d = np.full(n, np.inf, dtype=np.float32)
         best_i = np.full(n, -1, dtype=np.int64)
         coarse: Any = faiss.IndexFlatL2(self.coarse.shape[1])
         coarse.add(self.coarse)
+
+        def one(lo: int) -> None:
+            block = np.ascontiguousarray(vectors[lo : lo + ASSIGN_BLOCK], dtype=np.float32)
+            _, probed = coarse.search(block, self.probe)
+            order = np.argsort(probed, axis=None, kind="stable")  # (row, cell) pairs grouped by cell
+            rows_of = order // self.probe
+            bounds = np.searchsorted(probed.ravel()[order], np.arange(len(self.cells) + 1))
+            for c, members in enumerate(self.cells):
+                rows = rows_of[bounds[c] : bounds[c + 1]]
+                if len(rows) == 0:
+                    continue
+                d, i = nearest(block[rows], self.centroids[members])
+                target = rows + lo  # blocks write disjoint rows
+                better = d < best_d[target]
+                best_d[target[better]] = d[better]
+                best_i[target[better]] = members[i[better]]
+
         with threadpool_limits(1), ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-            for lo in range(0, n, ASSIGN_BLOCK):
-                block = np.ascontiguousarray(vectors[lo : lo + ASSIGN_BLOCK], dtype=np.float32)
-                _, probed = coarse.search(block, self.probe)
-                order = np.argsort(probed, axis=None, kind="stable")  # (row, cell) pairs grouped by cell
-                rows_of = order // self.probe
-                bounds = np.searchsorted(probed.ravel()[order], np.arange(len(self.cells) + 1))
-
-                def cell(c: int, block: Matrix = block, rows_of: Any = rows_of, bounds: Any = bounds) -> Any:
-                    rows = rows_of[bounds[c] : bounds[c + 1]]
-                    return rows, *(nearest(block[rows], self.centroids[self.cells[c]]) if len(rows) else ((), ()))
-
-                for c, (rows, d, i) in enumerate(pool.map(cell, range(len(self.cells)))):
-                    if len(rows) == 0:
-                        continue
-                    target = rows + lo
-                    better = d < best_d[target]
-                    best_d[target[better]] = d[better]
-                    best_i[target[better]] = self.cells[c][i[better]]
+            list(pool.map(one, range(0, n, ASSIGN_BLOCK)))
         return best_d, best_i
 
 
