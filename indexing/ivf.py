@@ -13,8 +13,9 @@ Many lists (``TWO_LEVEL_MIN_K`` and up) train two-level k-means on a bounded sam
 it on that sample, so each partition is read once for the sample and once for the
 assignment. Assignment goes through two-level k-means's own cells (a vector compared with the
 lists of its few nearest cells only) where, on a sample, that costs at most 0.005 of
-recall@10 at the nprobe the index is built for and is faster than exact assignment; the
-choice and its measurements are recorded in the manifest's ``stats``.
+recall@10 at the nprobe the index is built for, makes queries scan at most 5% more, and is
+faster than exact assignment; the choice and its measurements are recorded in the
+manifest's ``stats``.
 
 With ``reuse_centroids``, a build that finds few chunks changed since the last full build
 writes only a delta (``indexing.incremental``) and falls back to this full path otherwise.
@@ -237,8 +238,9 @@ def _coarse_level(
 ) -> CoarseLevel | None:
     """A coarse level over many centroids (two-level k-means's own cells when the centroids
     come with them) when, on a sample of the data, it costs at most ``MAX_RECALL_LOSS`` of
-    recall@10 at the nprobe the index is built for and assigns faster than exact
-    assignment; else None (exact). What was measured goes into ``stats``."""
+    recall@10 at the nprobe the index is built for and ``MAX_SCAN_GROWTH`` of what queries
+    scan, and assigns faster than exact assignment; else None (exact). What was measured
+    goes into ``stats``."""
     if len(centroids) < TWO_LEVEL_MIN_K or data.count() < LEVEL_MIN_ROWS:
         stats.update(assign="exact")
         return None

@@ -447,8 +447,9 @@ class CoarseLevel:
     reused, cells found by k-means over the centroids (``group``; on data without structure
     one such cell takes nearly every list, see docs/PITFALLS.md, and the level then loses
     to exact assignment). ``calibrate`` chooses the probe by the recall it costs at the
-    nprobe the index is built for, and times the level against exact assignment: fewer
-    distances are not always less time (exact assignment is one large BLAS product).
+    nprobe the index is built for and by how much more queries would scan, and times the
+    level against exact assignment: fewer distances are not always less time (exact
+    assignment is one large BLAS product).
     """
 
     centroids: Matrix
