@@ -71,9 +71,9 @@ def add_commands(sub: Any) -> None:
         "--assign-nprobe",
         type=int,
         metavar="N",
-        help="the smallest nprobe the index is built for: assigning vectors to lists through the coarse level may "
-        "cost at most 0.005 recall@10 there, measured at build time (default: serve's default nprobe for the "
-        "index's nlist); serving at a smaller --nprobe may lose more (stats.assign_recall_loss)",
+        help="the smallest nprobe the index is built for: assigning vectors to lists through a coarse level may "
+        "cost at most 0.005 recall@10 there, estimated on a sample at build time (default: serve's default nprobe "
+        "for the index's nlist); serving at a smaller --nprobe may lose more (stats.assign_recall_loss)",
     )
     p.add_argument("--drift-threshold", type=float, help="retrain above this quantization-error growth (0.10)")
     p.add_argument(
