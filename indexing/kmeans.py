@@ -358,7 +358,7 @@ def train_two_level(
     counts = np.concatenate([r.counts for r in results]).astype(np.int64)
     # Each refinement step is one pass over the sample, its points assigned through the
     # cells they were trained in (``REFINE_PROBE`` nearest cells: S·(√k + probe·√k)
-    # distances, not S·k; 6.5 s → about 1.5 s at 256k × 4,000 lists). The objective and
+    # distances, not S·k; 6.5 s → about 2 s at 256k × 4,000 lists). The objective and
     # counts returned are those of the centroids before the last step, through the cells
     # (a build measures the final ones over all data when it assigns).
     objective = history[0]
