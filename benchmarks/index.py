@@ -240,6 +240,8 @@ def bench_scale(n: int, dim: int, nlist: int, iters: int, work: Path, executors:
         process = mem.peak_process - (harness if executor == "local" else 0)
         emit(bench="index_build_scale", n=n, dim=dim, nlist=nlist, executor=executor, partitions=st["partitions"],
              shards=len(manifest.shards), build_s=round(elapsed, 1), stages=st["timings"], kmeans=st.get("kmeans"),
+             assign=st.get("assign"), assign_probe=st.get("assign_probe"),
+             assign_scan_growth=st.get("assign_scan_growth"), assign_recall_loss_check=st.get("assign_recall_loss"),
              partitions_per_process_mb=round(partition / 2**20), sample_mb=round(sample / 2**20),
              harness_rss_mb=round(harness / 2**20), peak_process_rss_mb=round(mem.peak_process / 2**20),
              peak_total_rss_mb=round(mem.peak / 2**20),
