@@ -437,6 +437,12 @@ class RecallCost:
         }
 
 
+def _members(cell_of_list: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], list[npt.NDArray[np.int64]]]:
+    """The cells that hold lists, and each one's lists."""
+    cells = np.unique(cell_of_list)
+    return cells, [np.flatnonzero(cell_of_list == c) for c in cells]
+
+
 @dataclass
 class CoarseLevel:
     """Lists grouped into cells, each with a coarse centroid: a vector's list is the nearest
@@ -491,7 +497,7 @@ class CoarseLevel:
         mean of its vectors."""
         centroids = np.ascontiguousarray(centroids, dtype=np.float32)
         weights = np.ones(len(centroids)) if counts is None else np.asarray(counts, dtype=np.float64) + 1e-9
-        members = [np.flatnonzero(cells == c) for c in np.unique(cells)]
+        members = _members(cells)[1]
         coarse = np.stack([np.average(centroids[m], axis=0, weights=weights[m]) for m in members])
         return cls(centroids, np.ascontiguousarray(coarse, dtype=np.float32), members, source="training")
 
@@ -501,9 +507,8 @@ class CoarseLevel:
         centroids = np.ascontiguousarray(centroids, dtype=np.float32)
         k1 = max(1, round(math.sqrt(len(centroids))))
         grouping = train_kmeans(LocalData(centroids), k1, iterations=10, seed=seed, progress=False)
-        _, cell = nearest(centroids, grouping.centroids)
-        keep = [c for c in range(k1) if np.any(cell == c)]
-        return cls(centroids, grouping.centroids[keep], [np.flatnonzero(cell == c) for c in keep])
+        keep, members = _members(nearest(centroids, grouping.centroids)[1])
+        return cls(centroids, grouping.centroids[keep], members)
 
     def calibrate(
         self, check: Matrix, nprobe: int, max_loss: float = MAX_RECALL_LOSS, stop_when_slower: bool = True,
