@@ -66,7 +66,7 @@ from benchmarks.pydocs import EmbeddedCorpus, embedded_pydocs
 from indexing.distributed import LocalPartitions, RayData, start_ray, stop_ray
 from indexing.ivf import BuildOptions, build_index, build_shard, choose_nlist, plan_shards, train_centroids
 from indexing.kmeans import nearest, partial_sums, train_kmeans
-from indexing.manifest import Manifest, publish, put_file
+from indexing.manifest import Manifest, load_manifest, publish, put_file
 from indexing.reader import IndexReader
 from indexing.snapshot import plan
 from indexing.store import LocalStore
@@ -171,7 +171,8 @@ def bench_build(x: np.ndarray, nlist: int, iters: int, work: Path, executors: li
             ours_runs.append((executor, time.perf_counter() - t0, mem, manifest, version))
     with PeakRSS() as ref_mem:
         t0 = time.perf_counter()
-        vectors = embeddings(current_chunks(lake, columns=["chunk_id", "position", "op", "embedding"]))
+        live = current_chunks(lake, columns=["chunk_id", "position", "op", "embedding"])
+        vectors = embeddings(live)
         km = faiss.Kmeans(vectors.shape[1], nlist, niter=iters, seed=1, max_points_per_centroid=10**9)
         km.train(vectors)
         ivf = faiss.IndexIVFFlat(km.index, vectors.shape[1], nlist)
@@ -182,10 +183,8 @@ def bench_build(x: np.ndarray, nlist: int, iters: int, work: Path, executors: li
     ref_obj = partial_sums(vectors, km.centroids).objective
     served = default_nprobe(nlist)
     nprobes = sorted({8, 32, served})
-    exact = faiss.IndexFlatL2(vectors.shape[1])
-    exact.add(vectors)
-    _, truth = exact.search(queries, 10)
-    del exact
+    ids, truth = live.column("chunk_id").to_pylist(), exact_top10(vectors, queries)
+    del live
     faiss_recall = {}
     for nprobe in nprobes:
         ivf.nprobe = nprobe
@@ -193,7 +192,7 @@ def bench_build(x: np.ndarray, nlist: int, iters: int, work: Path, executors: li
     del ivf
     for executor, ours, ours_mem, manifest, version in ours_runs:
         st = manifest.stats
-        ours_recall = {p: round(r, 4) for p, r in index_recall(store, version, lake, queries, nprobes).items()}
+        ours_recall = {p: round(r, 4) for p, r in reader_recall(store, version, ids, truth, queries, nprobes).items()}
         emit(bench="index_build", n=len(vectors), dim=vectors.shape[1], nlist=nlist, iterations=iters,
              executor=executor, partitions=st["partitions"], shards=len(manifest.shards), build_s=round(ours, 2),
              faiss_s=round(base, 2), speedup=round(base / ours, 2), stages=st["timings"],
@@ -273,24 +272,32 @@ def change_lake(lake: Lake, x: np.ndarray, share: float, seed: int = 7) -> int:
     return m
 
 
-def index_recall(
-    store: LocalStore, version: int, lake: Lake, queries: np.ndarray, nprobes: list[int] | None = None
+def exact_top10(vectors: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """Each query's 10 nearest vectors (row numbers), by exact search."""
+    exact = faiss.IndexFlatL2(vectors.shape[1])
+    exact.add(vectors)
+    return exact.search(queries, 10)[1]
+
+
+def reader_recall(
+    store: LocalStore, version: int, ids: list[str], truth: np.ndarray, queries: np.ndarray, nprobes: list[int]
 ) -> dict[int, float]:
-    """recall@10 of an index version at each nprobe (default: the service's) against exact
-    search over the live chunks."""
-    live = current_chunks(lake, columns=["chunk_id", "position", "op", "embedding"])
-    ids = live.column("chunk_id").to_pylist()
-    exact = faiss.IndexFlatL2(queries.shape[1])
-    exact.add(embeddings(live))
-    _, truth = exact.search(queries, 10)
-    del exact, live
+    """recall@10 of an index version at each nprobe against ``truth`` (rows of the live chunks' ``ids``)."""
     reader = IndexReader(store, version)
     out = {}
-    for nprobe in nprobes or [default_nprobe(reader.manifest.nlist)]:
+    for nprobe in nprobes:
         hits = reader.search(queries, 10, nprobe)
         found = [{r["chunk_id"] for r in reader.rows(row, ["chunk_id"])} for row in hits]
         out[nprobe] = float(np.mean([len(f & {ids[j] for j in t}) / 10 for f, t in zip(found, truth, strict=True)]))
     return out
+
+
+def index_recall(store: LocalStore, version: int, lake: Lake, queries: np.ndarray) -> float:
+    """recall@10 at the default nprobe of an index version against exact search over the live chunks."""
+    live = current_chunks(lake, columns=["chunk_id", "position", "op", "embedding"])
+    truth = exact_top10(embeddings(live), queries)
+    nprobe = default_nprobe(load_manifest(store, version).nlist)
+    return reader_recall(store, version, live.column("chunk_id").to_pylist(), truth, queries, [nprobe])[nprobe]
 
 
 def bench_incremental(x: np.ndarray, nlist: int, iters: int, work: Path, queries: np.ndarray, share: float) -> None:
@@ -322,8 +329,8 @@ def bench_incremental(x: np.ndarray, nlist: int, iters: int, work: Path, queries
          time_ratio=round(inc_s / full_s, 4), bytes_ratio=round(st["written_bytes"] / full.stats["written_bytes"], 4),
          rewrite_same_centroids_s=round(rewrite_s, 2), rewrite_bytes=rewrite.stats["written_bytes"],
          stages=st["timings"], full_executor=full.stats["executor"],
-         recall_at_10_incremental=round(next(iter(index_recall(store, inc_version, lake, queries).values())), 4),
-         recall_at_10_rewrite=round(next(iter(index_recall(store, rewrite_version, lake, queries).values())), 4),
+         recall_at_10_incremental=round(index_recall(store, inc_version, lake, queries), 4),
+         recall_at_10_rewrite=round(index_recall(store, rewrite_version, lake, queries), 4),
          targets="after 1% changed: <= 5% of a full build's bytes, <= 10% of its time")  # fmt: skip
 
 
@@ -368,9 +375,7 @@ def bench_recall(x: np.ndarray, centroids: np.ndarray, queries: np.ndarray, work
     for i in range(len(shards)):
         reader.shard(i)  # warm: fetching is measured by the retrieval benchmarks, not here
 
-    exact = faiss.IndexFlatL2(x.shape[1])
-    exact.add(x)
-    _, truth = exact.search(queries, 10)
+    truth = exact_top10(x, queries)
     quantizer = faiss.IndexFlatL2(x.shape[1])
     quantizer.add(centroids)
     ivf = faiss.IndexIVFFlat(quantizer, x.shape[1], len(centroids))
@@ -398,9 +403,7 @@ def bench_two_level(x: np.ndarray, flat: np.ndarray, queries: np.ndarray, iters:
     all vectors (``flat``): objective over all vectors, and recall@10 of an IVF index on
     each set of centroids at each nprobe (both assign exactly; the service's default nprobe
     is marked)."""
-    exact = faiss.IndexFlatL2(x.shape[1])
-    exact.add(x)
-    _, truth = exact.search(queries, 10)
+    truth = exact_top10(x, queries)
 
     quantizers = []  # the IVF indexes borrow them
 
@@ -506,11 +509,9 @@ def bench_peer(x: np.ndarray, queries: np.ndarray, nlist: int, iters: int, pytho
     if not python.exists():
         emit(bench="lancedb", skipped=f"{python} not found: `make bench` creates the peers' environment")
         return
-    exact = faiss.IndexFlatL2(x.shape[1])
-    exact.add(x)
     np.save(work / "vectors.npy", x)
     np.save(work / "queries.npy", queries)
-    np.save(work / "truth.npy", exact.search(queries, 10)[1])
+    np.save(work / "truth.npy", exact_top10(x, queries))
     out = subprocess.run(
         [str(python), str(Path(__file__).with_name("peer_lancedb.py")), str(work), "--nlist", str(nlist),
          "--iterations", str(iters), "--label", TAGS["corpus"]],
