@@ -87,6 +87,14 @@ def add_commands(sub: Any) -> None:
         dest="until_idle_s",
         help="exit 0 after this many seconds without new messages",
     )
+    p.add_argument(
+        "--topic-wait",
+        type=float,
+        metavar="SECONDS",
+        dest="topic_wait_s",
+        help="wait this long for a missing --topic to be created, e.g. by a source started alongside "
+        "(60; 0: fail at once)",
+    )
     p.add_argument("--mapping", dest="mapping_file", metavar="FILE", help="table → document mapping (YAML/JSON)")
     p.add_argument("--model", help="embedding model directory (default: bundled all-MiniLM-L6-v2)")
     p.add_argument("--device", help="auto (default: CUDA fp16 when present), cpu or cuda")

@@ -53,21 +53,38 @@ def prepare(settings: IngestSettings) -> IngestSettings:
 
 
 def ensure_dead_letter_topics(settings: IngestSettings) -> None:
-    """Create ``<topic><suffix>`` for each input topic (as many partitions as the input)."""
+    """Create ``<topic><suffix>`` for each input topic (as many partitions as the input).
+
+    An input topic that does not exist yet is waited for, up to ``topic_wait_s``: a source
+    started beside the job (``cdc postgres``, Debezium) creates its topics after its snapshot
+    begins, and a job that exits instead would be restarted in a loop by its supervisor.
+    """
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
     admin = AdminClient({"bootstrap.servers": settings.bootstrap, **settings.kafka_config})
-    try:
-        topics = admin.list_topics(timeout=15).topics
-    except KafkaException as exc:
-        reason = exc.args[0].str()
-        raise KafkaIOError(f"cannot reach Kafka at {settings.bootstrap} ({reason}); is the broker up?") from exc
-    for topic in settings.topics:
-        if topic not in topics:
+    deadline = time.monotonic() + settings.topic_wait_s
+    waited = False
+    while True:
+        try:
+            topics = admin.list_topics(timeout=15).topics
+        except KafkaException as exc:
+            reason = exc.args[0].str()
+            raise KafkaIOError(f"cannot reach Kafka at {settings.bootstrap} ({reason}); is the broker up?") from exc
+        missing = [t for t in settings.topics if t not in topics]
+        if not missing:
+            break
+        if time.monotonic() >= deadline:
+            waited_for = f" (waited {settings.topic_wait_s:g} s)" if settings.topic_wait_s else ""
             raise KafkaIOError(
-                f"topic {topic!r} does not exist on {settings.bootstrap}; produce to it or create it first."
+                f"topic {missing[0]!r} does not exist on {settings.bootstrap}{waited_for}; "
+                "produce to it or create it first."
             )
+        if not waited:
+            log.info("waiting up to %g s for topic(s) %s to be created", settings.topic_wait_s, ", ".join(missing))
+            waited = True
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    for topic in settings.topics:
         partitions = len(topics[topic].partitions or {}) or 1
         ensure_topics(settings.bootstrap, [topic + settings.dlq_suffix], partitions=partitions)
     if settings.notices_topic:

@@ -41,6 +41,8 @@ class IngestSettings(BaseSettings):
     recovery_dir: str | None = None
     epoch_interval_s: float = Field(2.0, gt=0)
     until_idle_s: float | None = Field(None, gt=0)
+    #: how long a missing input topic is waited for (a source started beside the job creates it)
+    topic_wait_s: float = Field(60.0, ge=0)
     batch_max_events: int = Field(256, ge=1)
     batch_timeout_ms: int = Field(200, ge=1)
     fetch_wait_ms: int = Field(100, ge=1, le=10_000)

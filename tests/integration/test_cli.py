@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -65,10 +66,34 @@ def test_produce_reports_a_missing_file(broker: str, tmp_path: Path) -> None:
 
 
 def test_ingest_refuses_a_missing_topic_with_a_sentence(broker: str, tmp_path: Path) -> None:
-    out = cli(*ingest_args(broker, "no.such.topic", str(tmp_path / "lake"), None), timeout=120)
+    args = [*ingest_args(broker, "no.such.topic", str(tmp_path / "lake"), None), "--topic-wait", "1"]
+    out = cli(*args, timeout=120)
     assert out.returncode == 1
-    assert "topic 'no.such.topic' does not exist" in out.stderr
+    assert "topic 'no.such.topic' does not exist on" in out.stderr and "(waited 1 s)" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_ingest_waits_for_a_topic_that_a_source_creates_after_it_starts(broker: str, tmp_path: Path) -> None:
+    """A source and the job started together (a compose file, two pods): the job must not exit
+    (and be restarted in a loop) because the source has not created its topic yet."""
+    from pipelines.broker import ensure_topics
+    from pipelines.runner import ensure_dead_letter_topics
+    from pipelines.settings import IngestSettings
+
+    topic = f"late.{free_port()}"
+    settings = IngestSettings(bootstrap=broker, topics=[topic], lake=str(tmp_path / "lake"), topic_wait_s=30)
+    creator = threading.Timer(2.0, ensure_topics, (broker, [topic]), {"partitions": 3})
+    creator.start()
+    try:
+        t0 = time.monotonic()
+        ensure_dead_letter_topics(settings)
+        assert time.monotonic() - t0 >= 1.5  # it did wait, then went on
+    finally:
+        creator.cancel()
+    from confluent_kafka.admin import AdminClient
+
+    topics = AdminClient({"bootstrap.servers": broker}).list_topics(timeout=15).topics
+    assert len(topics[topic + ".dlq"].partitions) == 3  # as many partitions as the topic it waited for
 
 
 def test_ingest_says_when_kafka_is_unreachable(tmp_path: Path) -> None:
