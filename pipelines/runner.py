@@ -56,8 +56,8 @@ def ensure_dead_letter_topics(settings: IngestSettings) -> None:
     """Create ``<topic><suffix>`` for each input topic (as many partitions as the input).
 
     An input topic that does not exist yet is waited for, up to ``topic_wait_s``: a source
-    started beside the job (``cdc postgres``, Debezium) creates its topics after its snapshot
-    begins, and a job that exits instead would be restarted in a loop by its supervisor.
+    started beside the job (``cdc postgres``, Debezium) creates its topics once it has
+    connected, and a job that exits instead would be restarted in a loop by its supervisor.
     """
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
