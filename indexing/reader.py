@@ -436,13 +436,12 @@ class IndexReader:
             by_shard.setdefault(hit.shard, []).append(hit.faiss_id)
         for s, faiss_ids in by_shard.items():
             shard = self.shard(s)
-            table = shard.ids
-            if columns:  # selected once per shard (a query's lookup is then one take)
-                key = ("columns", tuple(columns))
-                table = shard.derived.get(key)
-                if table is None:
-                    table = shard.derived.setdefault(key, select_present(shard.ids, columns))
-            found.update(zip(((s, i) for i in faiss_ids), take_rows(table, faiss_ids), strict=True))
+            key = ("rows", tuple(columns or ()))  # built once per shard and column set
+            lookup = shard.derived.get(key)
+            if lookup is None:
+                table = select_present(shard.ids, columns) if columns else shard.ids
+                lookup = shard.derived.setdefault(key, ColumnarRows(table))
+            found.update(zip(((s, i) for i in faiss_ids), lookup.rows(faiss_ids), strict=True))
         return [{**found[(h.shard, h.faiss_id)], "score": h.score} for h in hits]
 
     def vectors(self, hits: list[Hit]) -> np.ndarray:
@@ -505,6 +504,60 @@ def python_values(column: pa.ChunkedArray | pa.Array) -> list[Any]:
                 for us in column.cast(pa.int64()).to_pylist()]  # fmt: skip
     values: list[Any] = column.to_pylist()
     return values
+
+
+class ColumnarRows:
+    """Rows of a table as dicts, as :func:`take_rows` gives them, read straight from the
+    columns' buffers: a string is its slice of the data buffer, a number an element of a
+    zero-copy numpy view. A search's lineage lookup (10 rows of 13 columns) took 90–120 µs
+    per shard through ``Table.take`` and ``to_pylist`` (pyarrow's fixed cost per column),
+    and 30 µs this way. Nothing is copied but the validity of columns with nulls (a byte a
+    row), UTC timestamps as integers and numbers with nulls; a column of several chunks, or
+    of another type, goes through ``take``."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self.names = table.column_names
+        self._columns = [_column_values(column) for column in table.columns]
+
+    def rows(self, indices: list[int]) -> list[dict[str, Any]]:
+        if not indices:
+            return []
+        at = np.asarray(indices, dtype=np.int64)
+        values = [column(at) for column in self._columns]
+        return [dict(zip(self.names, row, strict=True)) for row in zip(*values, strict=True)]
+
+
+def _column_values(column: pa.ChunkedArray) -> Callable[[np.ndarray], list[Any]]:
+    """A function from row numbers to the column's Python values at them."""
+    kind = column.type
+    if column.num_chunks != 1:
+        return lambda at: python_values(column.take(pa.array(at)))
+    array = column.chunk(0)
+    valid = np.asarray(array.is_valid()) if array.null_count else None
+
+    def with_nulls(values: list[Any], at: np.ndarray) -> list[Any]:
+        if valid is None:
+            return values
+        return [v if ok else None for v, ok in zip(values, valid[at].tolist(), strict=True)]
+
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        buffers = array.buffers()
+        width = np.int32 if pa.types.is_string(kind) else np.int64
+        offsets = np.frombuffer(buffers[1], dtype=width)[array.offset : array.offset + len(array) + 1]
+        data = memoryview(buffers[2] if buffers[2] is not None else b"")
+
+        def strings(at: np.ndarray) -> list[Any]:
+            starts, ends = offsets[at].tolist(), offsets[at + 1].tolist()
+            return with_nulls([str(data[a:b], "utf-8") for a, b in zip(starts, ends, strict=True)], at)
+
+        return strings
+    if pa.types.is_timestamp(kind) and kind.tz == "UTC" and kind.unit == "us":
+        micros = array.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+        return lambda at: with_nulls([_UTC_EPOCH + timedelta(microseconds=us) for us in micros[at].tolist()], at)
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+        numbers = (array.fill_null(0) if valid is not None else array).to_numpy(zero_copy_only=False)
+        return lambda at: with_nulls(numbers[at].tolist(), at)
+    return lambda at: python_values(array.take(pa.array(at)))
 
 
 def select_present(table: pa.Table, columns: list[str]) -> pa.Table:
