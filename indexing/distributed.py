@@ -25,18 +25,39 @@ from indexing.kmeans import Matrix, PartialSums, partial_sums, sample_indices, s
 
 log = logging.getLogger(__name__)
 
-#: below this many bytes of vectors an ``auto`` build runs in-process: Ray's start-up and
-#: object transfers cost more than its processes gain on one machine (benchmarks/index.py)
-LOCAL_MAX_BYTES = 1 << 30
+#: an ``auto`` build runs in-process while its vectors take at most this share of the
+#: machine's memory. On one machine Ray's processes only add start-up, object transfers and
+#: memory (benchmarks/index.py, 2 cores, 24 GiB: 40k vectors 3.5 s in-process against 8.6 s
+#: on Ray, 1M 35.0 s against 41.3 s, 5M 146.9 s against 152.8 s); an in-process build's
+#: peak was 1.6× its vectors (5M: 12.2 GB for 7.3 GB of vectors), so a quarter leaves room
+#: for the rest of the machine. Above it, Ray (whose actors can be spread over a cluster).
+LOCAL_MAX_MEMORY_SHARE = 0.25
 
 
-def choose_executor(executor: str, count: int, dim: int, ray_address: str | None = None) -> str:
+def machine_memory() -> int:
+    """Bytes of memory this process may use: the machine's, or its container's limit
+    (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``) when that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return int(total)
+
+
+def choose_executor(
+    executor: str, count: int, dim: int, ray_address: str | None = None, memory: int | None = None
+) -> str:
     """``local`` or ``ray`` for a build of count × dim float32 vectors; a cluster address means Ray."""
     if executor != "auto":
         return executor
     if ray_address:
         return "ray"
-    return "local" if count * dim * 4 <= LOCAL_MAX_BYTES else "ray"
+    limit = LOCAL_MAX_MEMORY_SHARE * (memory if memory is not None else machine_memory())
+    return "local" if count * dim * 4 <= limit else "ray"
 
 
 #: Builds a partition where it will live: an array of vectors, or an object with a

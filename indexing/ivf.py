@@ -93,7 +93,8 @@ class BuildOptions:
     progress: bool = True
     #: "flat" (float32 IVF shards, read whole) or a compressed, list-granular codec (indexing.lists)
     codec: str = "flat"
-    #: "auto" (in-process below ``LOCAL_MAX_BYTES`` of vectors, else Ray), "local" or "ray"
+    #: "auto" (in-process while the vectors take at most ``LOCAL_MAX_MEMORY_SHARE`` of the
+    #: machine's memory, else Ray), "local" or "ray"
     executor: str = "auto"
     #: two-level k-means: training points per list, then Lloyd steps over that sample with all lists
     sample_per_list: int = SAMPLE_PER_LIST

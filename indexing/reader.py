@@ -430,19 +430,21 @@ class IndexReader:
 
     def rows(self, hits: list[Hit], columns: list[str] | None = None) -> list[dict[str, Any]]:
         """The id-map rows (chunk version and lineage) of hits, in order, with their score."""
-        found: dict[tuple[int, int], dict[str, Any]] = {}
-        by_shard: dict[int, list[int]] = {}
-        for hit in hits:
-            by_shard.setdefault(hit.shard, []).append(hit.faiss_id)
-        for s, faiss_ids in by_shard.items():
+        positions: dict[int, list[int]] = {}
+        for at, hit in enumerate(hits):
+            positions.setdefault(hit.shard, []).append(at)
+        out: list[dict[str, Any]] = [{} for _ in hits]
+        for s, ats in positions.items():
             shard = self.shard(s)
             key = ("rows", tuple(columns or ()))  # built once per shard and column set
             lookup = shard.derived.get(key)
             if lookup is None:
                 table = select_present(shard.ids, columns) if columns else shard.ids
                 lookup = shard.derived.setdefault(key, ColumnarRows(table))
-            found.update(zip(((s, i) for i in faiss_ids), lookup.rows(faiss_ids), strict=True))
-        return [{**found[(h.shard, h.faiss_id)], "score": h.score} for h in hits]
+            for at, row in zip(ats, lookup.rows([hits[at].faiss_id for at in ats]), strict=True):
+                row["score"] = hits[at].score
+                out[at] = row
+        return out
 
     def vectors(self, hits: list[Hit]) -> np.ndarray:
         """The stored vectors of hits, in order (no model call needed to compare with them)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -422,3 +423,15 @@ def test_columnar_rows_are_the_rows_pyarrow_takes() -> None:
         assert rows.rows(picks) == table.take(picks).to_pylist()
     assert rows.rows([]) == []
     assert ColumnarRows(table.slice(100, 50)).rows([0, 49]) == table.slice(100, 50).take([0, 49]).to_pylist()
+
+
+def test_auto_builds_in_process_while_the_vectors_fit_a_quarter_of_memory() -> None:
+    from indexing.distributed import choose_executor, machine_memory
+
+    gib = 1 << 30
+    assert choose_executor("auto", 1_000_000, 384, memory=24 * gib) == "local"  # 1.5 GB of 24 GiB
+    assert choose_executor("auto", 5_000_000, 384, memory=24 * gib) == "ray"  # 7.7 GB
+    assert choose_executor("auto", 1_000_000, 384, memory=4 * gib) == "ray"  # a small container
+    assert choose_executor("auto", 10, 384, ray_address="ray://head:10001") == "ray"
+    assert choose_executor("local", 10**9, 384) == "local" and choose_executor("ray", 1, 384) == "ray"
+    assert 0 < machine_memory() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
