@@ -122,6 +122,21 @@ def test_definitions_are_indexed_by_the_names_they_define() -> None:
     assert defined_names("It calls os.replace(src, dst) and def is a keyword.", ":mod:`os`") == []  # a mention
 
 
+def test_looking_for_definitions_only_where_they_can_be_finds_what_every_pattern_finds() -> None:
+    """``definitions`` skips a pattern when the text lacks a substring the pattern needs: on
+    random texts made of definition-like pieces it must find exactly what running every
+    pattern finds."""
+    from indexing.keyword import _DEFINITIONS, definitions
+
+    pieces = [".. function:: f(x)", "..  method:: g", ".. py:class:: C", "   .. data:: D", "def h():",
+              "async  def i(", "class J:", "\tclass\tK", "# `l(", "### m.n(a)", "####### o(", "#p(", "de", "f",
+              "cla", "ss ", "#", ".", ". ", "(", "`", " ", "\n", "\n  ", "text", "é", "_q", "r.s"]  # fmt: skip
+    rng = random.Random(11)
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        assert definitions(text) == [name for p in _DEFINITIONS for name in p.findall(text)], repr(text)
+
+
 def test_a_query_is_an_identifier_when_it_is_a_name_not_a_sentence() -> None:
     assert query_names("os.replace") == ["os.replace", "replace"] and identifier_query("os.replace")
     assert query_names("EAGAIN") == ["eagain"] and identifier_query("EAGAIN")
