@@ -564,3 +564,45 @@ def test_a_query_of_an_up_to_date_copy_does_not_wait_for_a_commit(setup) -> None
         finished = done.wait(10)
     searcher.join()
     assert finished, "a keyword query waited for the copy's lock"
+
+
+def test_a_keyword_index_made_beside_the_shard_writers_answers_like_one_made_after(tmp_path: Path) -> None:
+    """With several shards the keyword index is made by a child process fed each shard as it
+    is written; it must hold every row and answer exactly like the index made in-process
+    after the shards (one shard: the in-process path)."""
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
+    docs = corpus(300, seed=4)
+    lake.write(docs)
+    build(lake, tmp_path / "child", executor="local")  # 300 × 32 × 4 bytes > shard_bytes: several shards
+    build(lake, tmp_path / "inline", executor="local", shard_bytes=1 << 20)
+    child, inline = (load_manifest(LocalStore(str(tmp_path / name))) for name in ("child", "inline"))
+    assert len(child.shards) > 1 and len(inline.shards) == 1
+    assert child.stats["keyword"]["docs"] == inline.stats["keyword"]["docs"] == len(docs)
+    assert "waited_s" in child.stats["keyword"] and "waited_s" not in inline.stats["keyword"]
+    engines = [engine_for(lake, tmp_path / name) for name in ("child", "inline")]
+    for query in ["7", "w12 w40", "w299", "150 w3", "w5 w6 w7"]:  # each matches under 100 notes
+        for principal in (ANONYMOUS, HR):  # every match (equal scores rank in the order rows were indexed)
+            got = [{r["chunk_id"] for r in e.search(query, k=100, principal=principal, mode="keyword").results}
+                   for e in engines]  # fmt: skip
+            assert got[0] == got[1] and got[0], query
+
+
+def test_a_keyword_process_that_fails_says_why_and_leaves_nothing(tmp_path: Path) -> None:
+    from indexing.keyword import KeywordBuild, KeywordBuildError
+    from indexing.manifest import FileRef, ShardRef
+
+    store = LocalStore(str(tmp_path / "store"))
+    store.put("bad.ids.parquet", b"not parquet")
+    bogus = FileRef("bad.ids.parquet", 11, "0" * 64)  # the sha256 does not match
+    failing = KeywordBuild(store.root, ObjectStoreSettings())
+    try:
+        failing.add(0, ShardRef(bogus, bogus, 0, 1, 1))
+        with pytest.raises(KeywordBuildError, match=r"sha256|integrity|checksum"):
+            failing.finish(store, "builds/x")
+    finally:
+        failing.close()
+    assert not failing.work.exists() and failing._proc.poll() is not None
+    abandoned = KeywordBuild(store.root, ObjectStoreSettings())  # a build that failed before finishing
+    abandoned.close()
+    assert not abandoned.work.exists() and abandoned._proc.poll() is not None
+    assert not list((tmp_path / "store").glob("builds/**/*"))
