@@ -51,6 +51,9 @@ class ShardCache:
         self._lock = threading.Lock()
         self._inflight: dict[str, threading.Lock] = {}
         self._disk_held = 0
+        #: shards evicted from memory so far (a reader's combined view of its shards holds
+        #: them alive: it drops that view when this changes)
+        self.generation = 0
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
             self._disk_held = self._disk_usage()
@@ -114,6 +117,7 @@ class ShardCache:
         """The budget evicted a shard: forget it, and its resident lists with it."""
         with self._lock:
             shard = self._memory.pop(key, None)
+            self.generation += 1
         metrics.CACHE_EVICTIONS.labels("memory").inc()
         if shard is not None and shard.lists is not None:
             shard.lists.drop_all()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import os
+import weakref
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -435,3 +437,48 @@ def test_auto_builds_in_process_while_the_vectors_fit_a_quarter_of_memory() -> N
     assert choose_executor("auto", 10, 384, ray_address="ray://head:10001") == "ray"
     assert choose_executor("local", 10**9, 384) == "local" and choose_executor("ray", 1, 384) == "ray"
     assert 0 < machine_memory() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _shard_by_shard(reader: IndexReader, queries: np.ndarray, k: int, nprobe: int) -> list[list[object]]:
+    """What the reader answers when it searches each probed shard on its own (a filter that
+    lets every row through forces that path)."""
+    everything = lambda s, shard: np.ones(shard.ids.num_rows, bool)  # noqa: E731
+    return [[(h.shard, h.faiss_id) for h in row] for row in reader.search(queries, k, nprobe, everything)]
+
+
+def test_shards_searched_as_one_index_answer_as_shard_by_shard(built) -> None:
+    """Every shard in memory: the reader stacks their lists into one faiss index (no copy)
+    and searches it in one call, decoding (list, offset) pairs back to (shard, faiss id)."""
+    _, x, store = built
+    reader = IndexReader(store)
+    reader.shards(range(len(reader.manifest.shards)))
+    queries = x[np.random.default_rng(4).choice(len(x), 40, replace=False)] + 0.01
+    for nprobe in (1, 4, 16, reader.manifest.nlist):
+        one = [[(h.shard, h.faiss_id) for h in row] for row in reader.search(queries, 10, nprobe)]
+        assert reader._combined is not None, "every shard is in memory: the stacked index is used"
+        assert one == _shard_by_shard(reader, queries, 10, nprobe)
+        distances = [h.distance for row in reader.search(queries[:1], 10, nprobe) for h in row]
+        assert distances == sorted(distances) and len(distances) == 10
+    rows = reader.rows(reader.search(queries[:1], 10, 4)[0])
+    assert len({r["chunk_id"] for r in rows}) == 10
+
+
+def test_an_eviction_drops_the_stacked_index_and_its_hold_on_shards(built) -> None:
+    from retrieval.cache import ShardCache
+
+    _, x, store = built
+    queries = x[:20] + 0.01
+    whole = sum(IndexReader(store).shard(i).nbytes for i in range(len(IndexReader(store).manifest.shards)))
+    cache = ShardCache(None, memory_bytes=whole + (1 << 20))
+    reader = IndexReader(store, source=cache)
+    reader.shards(range(len(reader.manifest.shards)))
+    expected = _shard_by_shard(reader, queries, 10, 8)
+    assert [[(h.shard, h.faiss_id) for h in row] for row in reader.search(queries, 10, 8)] == expected
+    assert reader._combined is not None
+    first = [weakref.ref(shard) for shard in reader._combined.members.values()]
+    cache.budget.max_bytes = whole // 2  # a smaller budget evicts shards: the stacked index must let them go
+    cache.budget.admit("filler", 1, lambda: None)
+    assert cache.generation > 0
+    assert [[(h.shard, h.faiss_id) for h in row] for row in reader.search(queries, 10, 8)] == expected
+    gc.collect()
+    assert reader._combined is None and any(shard() is None for shard in first)
