@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -450,12 +451,15 @@ class IndexReader:
             and all(combined.members.get(s) is shard for s, shard in loaded.items())
         ):
             return combined
-        self._combined = None  # stale: let its shards go
+        if combined is not None and self._combined is combined:
+            self._combined = None  # stale: let its shards go
         contains = getattr(self.source, "contains", None)
         now = time.monotonic()
         if contains is None or now < self._combine_after:
             return None
         with self._combined_lock:
+            if time.monotonic() < self._combine_after:
+                return None  # another query has just tried
             self._combined, self._combine_after = None, now + COMBINE_RETRY_S
             if not all(contains(ref) for ref in self.manifest.shards):  # no LRU touch: a peek
                 return None
@@ -466,6 +470,7 @@ class IndexReader:
                 self._combined = CombinedLists(self, members, generation)  # type: ignore[arg-type]
             except ValueError as exc:
                 log.info("searching shard by shard: %s", exc)
+                self._combine_after = math.inf  # this version's shards never will combine
                 return None
             return self._combined
 
