@@ -60,9 +60,6 @@ def choose_executor(
     return "local" if count * dim * 4 <= limit else "ray"
 
 
-#: called with (position, result) as each of ``run``'s calls completes
-Done = Callable[[int, Any], None]
-
 #: Builds a partition where it will live: an array of vectors, or an object with a
 #: ``vectors`` attribute (e.g. :class:`indexing.snapshot.Partition`).
 Loader = Callable[[], Any]
@@ -178,24 +175,17 @@ class RayData(_Partitioned):
         refs = [ray.put(a) for a in args]
         return list(ray.get([actor.call.remote(fn, *refs) for actor in self.actors]))
 
-    def run(
-        self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], desc: str, progress: bool, done: Done | None = None
-    ) -> list[Any]:
-        """fn(*args) for each args as Ray tasks (object refs among args resolve where they run);
-        ``done(i, result)`` is called as call i completes."""
+    def run(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], desc: str, progress: bool) -> list[Any]:
+        """fn(*args) for each args as Ray tasks (object refs among args resolve where they run)."""
         import ray
 
         task = ray.remote(fn)
         futures = [task.remote(*args) for args in calls]
-        position = {f: i for i, f in enumerate(futures)}
         with tqdm(total=len(futures), desc=desc, disable=not progress, leave=False) as bar:
             pending = list(futures)
             while pending:
-                finished, pending = ray.wait(pending, num_returns=1)
-                if done is not None:
-                    for future in finished:
-                        done(position[future], ray.get(future))
-                bar.update(len(finished))
+                done, pending = ray.wait(pending, num_returns=1)
+                bar.update(len(done))
         return list(ray.get(futures))
 
     def close(self) -> None:
@@ -230,9 +220,7 @@ class LocalPartitions(_Partitioned):
     def map(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         return [fn(part, *args) for part in self.parts]
 
-    def run(
-        self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], desc: str, progress: bool, done: Done | None = None
-    ) -> list[Any]:
+    def run(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], desc: str, progress: bool) -> list[Any]:
         workers = min(len(calls), os.cpu_count() or 1) or 1
         results: list[Any] = [None] * len(calls)
         with (
@@ -242,8 +230,6 @@ class LocalPartitions(_Partitioned):
             futures = {pool.submit(fn, *args): i for i, args in enumerate(calls)}
             for future in as_completed(futures):
                 results[futures[future]] = future.result()
-                if done is not None:
-                    done(futures[future], results[futures[future]])
                 bar.update(1)
         return results
 

@@ -30,7 +30,6 @@ import math
 import os
 import time
 import uuid
-from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -43,8 +42,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from indexing.distributed import Done, LocalPartitions, RayData, choose_executor, start_ray
-from indexing.keyword import KeywordBuild, build_keyword_index
+from indexing.distributed import LocalPartitions, RayData, choose_executor, start_ray
+from indexing.keyword import build_keyword_index
 from indexing.kmeans import (
     SAMPLE_PER_LIST,
     TWO_LEVEL_MIN_K,
@@ -372,18 +371,17 @@ def new_build_id() -> str:
 
 def write_shards(
     data: BuildData, ranges: list[tuple[int, int]], store_uri: str, settings: ObjectStoreSettings, prefix: str,
-    nlist: int, dim: int, codec: Codec | None, progress: bool, written: Done | None = None,
+    nlist: int, dim: int, codec: Codec | None, progress: bool,
 ) -> list[ShardRef]:  # fmt: skip
     """The shards of list ranges, built by tasks that receive their rows straight from the
     partitions (labels assigned) and write them to the store.
 
     A shard's rows are gathered only when it is about to be built, a few shards at a time
     (two per core on Ray, one per thread in-process), so a build holds its partitions plus
-    the shards in flight, never a second copy of all the vectors. ``written(i, ref)`` is
-    called as shard i is written."""
+    the shards in flight, never a second copy of all the vectors."""
     if isinstance(data, LocalPartitions):
         calls = [(data.parts, store_uri, settings, prefix, start, end, nlist, dim, codec) for start, end in ranges]
-        local: list[ShardRef] = data.run(_local_shard, calls, "shards", progress, written)
+        local: list[ShardRef] = data.run(_local_shard, calls, "shards", progress)
         return local
     import ray
 
@@ -398,14 +396,9 @@ def write_shards(
                 for i, (start, end) in enumerate(batch)
             ]
             del per_part
-            done = None if written is None else partial(_shifted, written, at)
-            shards.extend(data.run(build_shard, calls, "shards", False, done))
+            shards.extend(data.run(build_shard, calls, "shards", False))
             bar.update(len(batch))
     return shards
-
-
-def _shifted(written: Done, at: int, i: int, ref: ShardRef) -> None:
-    written(at + i, ref)
 
 
 def _local_shard(
@@ -435,22 +428,8 @@ def build_index(
             return built
         full_reason = built
         log.info("full build: %s", full_reason)
-    with ExitStack() as cleanup:
-        return _build_full(snap, store, store_uri, settings, opts, full_reason, cleanup)
-
-
-def _build_full(
-    snap: Snapshot, store: ObjectStore, store_uri: str, settings: ObjectStoreSettings, opts: BuildOptions,
-    full_reason: str | None, cleanup: ExitStack,
-) -> Manifest:  # fmt: skip
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    # The keyword index is made by a process of its own as the shards are written, when there
-    # will be several (with one, the process's start-up would cost more than the overlap gives).
-    keyword_build = None
-    if opts.keyword and snap.count * snap.dim * 4 > opts.shard_bytes:
-        keyword_build = KeywordBuild(store_uri, settings)
-        cleanup.callback(keyword_build.close)
     executor = choose_executor(opts.executor, snap.count, snap.dim, opts.ray_address)
     data = open_data(snap, executor, opts)
     try:
@@ -486,8 +465,7 @@ def _build_full(
             )
             codec = Codec(opts.codec, trained, put_file(store, f"{prefix}/codec.npz", save_codec(opts.codec, trained)))
         shards = write_shards(
-            data, ranges, store_uri, settings, prefix, len(centroids), snap.dim, codec, opts.progress,
-            keyword_build.add if keyword_build else None,
+            data, ranges, store_uri, settings, prefix, len(centroids), snap.dim, codec, opts.progress
         )  # fmt: skip
         timings["shards_s"] = time.perf_counter() - t
         partitions = len(data.counts())
@@ -496,11 +474,8 @@ def _build_full(
     keyword: list[FileRef] = []
     if opts.keyword:
         t = time.perf_counter()
-        if keyword_build is not None:
-            keyword, stats["keyword"] = keyword_build.finish(store, prefix)
-        else:
-            keyword, stats["keyword"] = build_keyword_index(store, prefix, shards, opts.progress)
-        timings["keyword_s"] = time.perf_counter() - t  # with a keyword process: the wait after the shards
+        keyword, stats["keyword"] = build_keyword_index(store, prefix, shards, opts.progress)
+        timings["keyword_s"] = time.perf_counter() - t
 
     written = {centroids_ref.key: centroids_ref.bytes, **({codec.ref.key: codec.ref.bytes} if codec else {})}
     written.update((f.key, f.bytes) for shard in shards for f in shard.files())

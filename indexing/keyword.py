@@ -25,17 +25,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +40,7 @@ import pyarrow.parquet as pq
 import tantivy
 
 from indexing.manifest import FileRef, ShardRef, get_verified, put_file, sha256
-from indexing.store import ObjectStore, open_store
-from pipelines.storage import ObjectStoreSettings
+from indexing.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -324,144 +319,42 @@ def shard_documents(shard: int, ids: pa.Table) -> Iterable[tantivy.Document]:
         yield document(index_key(shard, fid), title, text, acl, chunk_id)
 
 
-def _index_shards(store: ObjectStore, work: Path, shards: Iterable[tuple[int, ShardRef]]) -> tuple[int, float]:
-    """Index the rows of ``shards`` (numbered; read back from their id maps) into a new
-    tantivy index in ``work``; the number of documents, and the seconds spent (not counting
-    waits for the next shard)."""
-    busy = time.perf_counter()
-    index = KeywordIndex(work, create=True)
-    writer = index.index.writer(heap_size=WRITER_HEAP * 2, num_threads=2)
-    docs = 0
-    busy = time.perf_counter() - busy
-    for s, ref in shards:
-        t = time.perf_counter()
-        ids = pq.read_table(pa.BufferReader(get_verified(store, ref.ids)), columns=[*COLUMNS, "faiss_id"])
-        for doc in shard_documents(s, ids):
-            writer.add_document(doc)
-            docs += 1
-        busy += time.perf_counter() - t
-    t = time.perf_counter()
-    writer.commit()
-    writer.wait_merging_threads()
-    return docs, busy + time.perf_counter() - t
-
-
-def _write_files(store: ObjectStore, prefix: str, work: Path) -> list[FileRef]:
-    return [
-        put_file(store, f"{prefix}/keyword/{_stored_name(name)}", (work / name).read_bytes())
-        for name in sorted(os.listdir(work))
-        if name not in _LOCKS
-    ]
-
-
-def _stats(docs: int, refs: list[FileRef], index_s: float, started: float, **more: float) -> dict[str, Any]:
-    """``index_s``: indexing's own time; ``seconds``: since it began (with a keyword process,
-    the build's whole time from the start of the process); ``waited_s``: how long the build
-    waited for it after its last shard."""
-    return {
-        "docs": docs,
-        "bytes": sum(r.bytes for r in refs),
-        "files": len(refs),
-        "index_s": round(index_s, 3),
-        "seconds": round(time.perf_counter() - started, 3),
-        **{k: round(v, 3) for k, v in more.items()},
-    }
-
-
 def build_keyword_index(
     store: ObjectStore, prefix: str, shards: list[ShardRef], progress: bool = False
 ) -> tuple[list[FileRef], dict[str, Any]]:
-    """Index every row of ``shards`` (read back from their id maps) in this process and write
-    the index's files under ``prefix/keyword/``; return their refs and the build's figures."""
+    """Index every row of ``shards`` (read back from their id maps) and write the index's
+    files under ``prefix/keyword/``; return their refs and the build's figures."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="streamrag-keyword-"))
     try:
-        docs, index_s = _index_shards(store, work, enumerate(tqdm(shards, desc="keyword index", disable=not progress,
-                                                                  leave=False)))  # fmt: skip
-        refs = _write_files(store, prefix, work)
+        index = KeywordIndex(work, create=True)
+        writer = index.index.writer(heap_size=WRITER_HEAP * 2, num_threads=2)
+        docs = 0
+        for s, ref in enumerate(tqdm(shards, desc="keyword index", disable=not progress, leave=False)):
+            ids = pq.read_table(pa.BufferReader(get_verified(store, ref.ids)), columns=[*COLUMNS, "faiss_id"])
+            for doc in shard_documents(s, ids):
+                writer.add_document(doc)
+                docs += 1
+        writer.commit()
+        writer.wait_merging_threads()
+        index_s = time.perf_counter() - t0
+        refs = [
+            put_file(store, f"{prefix}/keyword/{_stored_name(name)}", (work / name).read_bytes())
+            for name in sorted(os.listdir(work))
+            if name not in _LOCKS
+        ]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return refs, _stats(docs, refs, index_s, t0)
-
-
-class KeywordBuildError(RuntimeError):
-    pass
-
-
-class KeywordBuild:
-    """A build's keyword index, made in a child process while the build writes its shards:
-    ``add`` hands it each shard as it is written, ``finish`` waits for the rest and writes
-    the index's files. Building a keyword document is Python work under the GIL; in a thread
-    it would hold up the shard writers every time they come back from numpy, pyarrow or
-    faiss (a GIL switch waits up to 5 ms), so it runs in a process of its own: a fresh
-    interpreter (``python -m indexing.keyword``; multiprocessing's spawn would re-run the
-    caller's main script, which a script without a ``__main__`` guard cannot survive, and a
-    fork would copy Ray's and BLAS's threads half-alive), fed pickles through its stdin.
-    ``close`` stops it and removes its files, finished or not."""
-
-    def __init__(self, store_uri: str, settings: ObjectStoreSettings) -> None:
-        self.work = Path(tempfile.mkdtemp(prefix="streamrag-keyword-"))
-        self._started = time.perf_counter()
-        root = str(Path(__file__).resolve().parents[1])  # where the indexing package is
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "indexing.keyword", "--child"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=env,
-        )  # fmt: skip
-        self._send((store_uri, settings, str(self.work)))
-
-    def _send(self, item: Any) -> None:
-        assert self._proc.stdin is not None
-        try:
-            pickle.dump(item, self._proc.stdin)
-            self._proc.stdin.flush()
-        except BrokenPipeError:
-            raise KeywordBuildError(f"the keyword index process died (exit code {self._proc.poll()})") from None
-
-    def add(self, shard: int, ref: ShardRef) -> None:
-        self._send((shard, ref))
-
-    def finish(self, store: ObjectStore, prefix: str) -> tuple[list[FileRef], dict[str, Any]]:
-        """Wait for the index of every shard added, write its files; its refs and figures."""
-        waiting = time.perf_counter()
-        self._send(None)
-        assert self._proc.stdout is not None
-        try:
-            kind, value = pickle.load(self._proc.stdout)
-        except EOFError:
-            raise KeywordBuildError(f"the keyword index process died (exit code {self._proc.wait()})") from None
-        self._proc.wait()
-        if kind == "error":
-            raise KeywordBuildError(f"building the keyword index failed: {value}")
-        docs, index_s = value
-        refs = _write_files(store, prefix, self.work)
-        return refs, _stats(docs, refs, index_s, self._started, waited_s=time.perf_counter() - waiting)
-
-    def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-        self._proc.wait()
-        for pipe in (self._proc.stdin, self._proc.stdout):
-            if pipe is not None:
-                pipe.close()
-        shutil.rmtree(self.work, ignore_errors=True)
-
-
-def _child() -> None:
-    """A :class:`KeywordBuild`'s process: index the shards its stdin names until ``None``."""
-    stdin = sys.stdin.buffer
-    stdout = os.fdopen(os.dup(1), "wb")  # the result's channel; anything printed goes to stderr
-    os.dup2(2, 1)
-    try:
-        store_uri, settings, work = pickle.load(stdin)
-        store = open_store(store_uri, settings)
-        outcome: tuple[str, Any] = ("ok", _index_shards(store, Path(work), iter(partial(pickle.load, stdin), None)))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        outcome = ("error", f"{type(exc).__name__}: {exc}")
-    pickle.dump(outcome, stdout)
-    stdout.flush()
+    stats = {
+        "docs": docs,
+        "bytes": sum(r.bytes for r in refs),
+        "files": len(refs),
+        "index_s": round(index_s, 3),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    return refs, stats
 
 
 # -- a replica's copies ----------------------------------------------------------------
@@ -535,7 +428,3 @@ def working_copy(pristine: Path, root: Path) -> KeywordIndex:
             except OSError:  # another file system: copy
                 shutil.copyfile(source, path / name)
     return KeywordIndex(path)
-
-
-if __name__ == "__main__" and sys.argv[1:] == ["--child"]:
-    _child()
