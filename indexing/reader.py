@@ -340,7 +340,7 @@ class IndexReader:
         """For each shard holding some of the probed ``lists`` (-1 pads): a mask over ``lists``
         of the lists it holds."""
         shard_of = np.where(lists >= 0, self.shard_of_list[np.maximum(lists, 0)], -1)
-        held = {int(s): shard_of == s for s in np.unique(shard_of) if s >= 0}
+        held = {s: shard_of == s for s in sorted(set(shard_of.ravel().tolist())) if s >= 0}  # np.unique: +4 µs
         for i in self.deltas:
             ref = self.manifest.shards[i]
             mine = (lists >= ref.list_start) & (lists < ref.list_end)
