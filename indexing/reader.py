@@ -232,12 +232,13 @@ class CombinedLists:
     order (``VStackInvertedLists``). A query whose probed shards need no filter then costs
     one ``search_preassigned`` call, as in single-process faiss, instead of one per shard it
     probes (each about 10–20 µs of fixed cost on top of the scan; a query at nprobe 8 on 1M
-    vectors in 23 shards probes 5–8 of them).
+    vectors in 23 shards probes 5–8 of them). Probed shards that a filter restricts are
+    searched on their own, beside it.
 
     Results come as (list, offset) pairs (faiss's ``store_pairs``): the list gives the shard,
     the offset the faiss id, since a shard gives each list's entries consecutive ids (the
     builder sorts rows by list); a shard where that does not hold is refused. Faiss refuses
-    a filter with ``store_pairs``, so filtered queries search shard by shard. The object
+    a filter with ``store_pairs``, so filtered shards are searched one by one. The object
     holds its shards (they stay alive while it does); ``generation`` is the shard source's
     eviction count when it was built (a reader drops it when a shard has been evicted)."""
 
@@ -270,24 +271,36 @@ class CombinedLists:
         self.index.ntotal = total
         self._shard_of_list = reader.shard_of_list
 
-    def search(self, queries: np.ndarray, k: int, lists: np.ndarray, coarse_d: np.ndarray) -> list[list[Hit]]:
-        n, nprobe = lists.shape
+    def search(
+        self, queries: np.ndarray, k: int, assign: np.ndarray, coarse: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(distances, faiss ids, shards) of each query's best k among the lists ``assign``
+        names (left-packed, -1 pads; ids -1 where fewer were found)."""
+        n, nprobe = assign.shape
         params = faiss.SearchParametersIVF()
         params.nprobe = nprobe
         dist = np.empty((n, k), dtype=np.float32)
         pairs = np.empty((n, k), dtype=np.int64)
-        assign = np.ascontiguousarray(lists, dtype=np.int64)
-        coarse = np.ascontiguousarray(coarse_d, dtype=np.float32)
+        assign = np.ascontiguousarray(assign, dtype=np.int64)
+        coarse = np.ascontiguousarray(coarse, dtype=np.float32)
         self.index.search_preassigned_c(
             n, faiss.swig_ptr(queries), k, faiss.swig_ptr(assign), faiss.swig_ptr(coarse),
             faiss.swig_ptr(dist), faiss.swig_ptr(pairs), True, params,
         )  # fmt: skip
         found = pairs >= 0
         list_no = np.where(found, pairs >> 32, 0)
-        shards = self._shard_of_list[list_no]
-        ids = self._first[list_no] + (pairs & 0xFFFFFFFF)
-        return [[Hit(int(s), int(i), float(d)) for s, i, d, ok in zip(shards[q], ids[q], dist[q], found[q], strict=True)
-                 if ok] for q in range(n)]  # fmt: skip
+        ids = np.where(found, self._first[list_no] + (pairs & 0xFFFFFFFF), -1)
+        return dist, ids, self._shard_of_list[list_no]
+
+
+def _packed(lists: np.ndarray, coarse_d: np.ndarray, mine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The probed lists ``mine`` selects, left-packed (-1 pads), with their coarse distances."""
+    if len(lists) == 1:  # the service's case: plain boolean indexing
+        return lists[mine][None, :], coarse_d[mine][None, :]
+    width = int(mine.sum(axis=1).max())
+    order = np.argsort(~mine, axis=1, kind="stable")[:, :width]
+    packed = np.where(np.take_along_axis(mine, order, 1), np.take_along_axis(lists, order, 1), -1)
+    return packed, np.take_along_axis(coarse_d, order, 1)
 
 
 class IndexReader:
@@ -401,23 +414,22 @@ class IndexReader:
             return self._search_ranged(queries, lists, held, loaded, k, allow, rerank, moved)
         n = len(queries)
         masks = {s: self.row_mask(s, shard, allow) for s, shard in loaded.items()}
-        if len(loaded) > 1 and all(mask is None for mask in masks.values()):
-            combined = self._combined_for(loaded)
-            if combined is not None:
-                return combined.search(queries, k, lists, coarse_d)
         found_d, found_i, found_s = [], [], []
+        plain = [s for s in loaded if masks[s] is None]
+        combined = self._combined_for(loaded) if len(plain) > 1 else None
+        if combined is not None:  # the unfiltered shards in one call, the filtered ones below
+            mine = np.logical_or.reduce([held[s] for s in plain])
+            dist, ids, shards = combined.search(queries, k, *_packed(lists, coarse_d, mine))
+            found_d.append(dist)
+            found_i.append(ids)
+            found_s.append(shards)
+            loaded = {s: shard for s, shard in loaded.items() if masks[s] is not None}
+            if not loaded:  # faiss's results come sorted: nothing to merge
+                return [[Hit(int(sh), int(i), float(d)) for sh, i, d in zip(shards[q], ids[q], dist[q], strict=True)
+                         if i >= 0] for q in range(n)]  # fmt: skip
         for s, shard in loaded.items():
-            mine = held[s]
-            # This shard's probed lists only, left-packed (-1 pads), with their coarse distances.
-            if n == 1:  # the service's case: plain boolean indexing
-                assign = np.ascontiguousarray(lists[mine][None, :], dtype=np.int64)
-                coarse = np.ascontiguousarray(coarse_d[mine][None, :], dtype=np.float32)
-            else:
-                width = int(mine.sum(axis=1).max())
-                order = np.argsort(~mine, axis=1, kind="stable")[:, :width]
-                packed = np.where(np.take_along_axis(mine, order, 1), np.take_along_axis(lists, order, 1), -1)
-                assign = np.ascontiguousarray(packed, dtype=np.int64)
-                coarse = np.ascontiguousarray(np.take_along_axis(coarse_d, order, 1), dtype=np.float32)
+            assign, coarse = (np.ascontiguousarray(a, dtype=t) for a, t in
+                              zip(_packed(lists, coarse_d, held[s]), (np.int64, np.float32), strict=True))  # fmt: skip
             params = faiss.SearchParametersIVF()
             params.nprobe = assign.shape[1]
             mask = masks[s]

@@ -461,6 +461,20 @@ def test_shards_searched_as_one_index_answer_as_shard_by_shard(built) -> None:
         assert distances == sorted(distances) and len(distances) == 10
     rows = reader.rows(reader.search(queries[:1], 10, 4)[0])
     assert len({r["chunk_id"] for r in rows}) == 10
+    # a filter on some shards: those are searched one by one beside the stacked index
+    odd = lambda s, shard: np.arange(shard.ids.num_rows) % 2 == 1 if s == 0 else None  # noqa: E731
+    odd_everywhere = lambda s, shard: odd(s, shard) if s == 0 else np.ones(shard.ids.num_rows, bool)  # noqa: E731
+    assert len(reader.manifest.shards) >= 3  # shard 0 filtered, two or more searched as one
+    calls = []
+    stacked = reader._combined.search
+    reader._combined.search = lambda *a: calls.append(1) or stacked(*a)  # type: ignore[method-assign]
+    for nprobe in (4, reader.manifest.nlist):
+        mixed = [[(h.shard, h.faiss_id) for h in row] for row in reader.search(queries, 10, nprobe, odd)]
+        alone = [[(h.shard, h.faiss_id) for h in row] for row in reader.search(queries, 10, nprobe, odd_everywhere)]
+        assert mixed == alone
+        assert all(i % 2 == 1 for row in mixed for s, i in row if s == 0)
+        assert any(s == 0 for row in mixed for s, _ in row) and any(s > 0 for row in mixed for s, _ in row)
+    assert len(calls) == 2, "the unfiltered shards were searched as one"
 
 
 def test_an_eviction_drops_the_stacked_index_and_its_hold_on_shards(built) -> None:
