@@ -418,8 +418,11 @@ class IndexReader:
         plain = [s for s in loaded if masks[s] is None]
         combined = self._combined_for(loaded) if len(plain) > 1 else None
         if combined is not None:  # the unfiltered shards in one call, the filtered ones below
-            mine = np.logical_or.reduce([held[s] for s in plain])
-            dist, ids, shards = combined.search(queries, k, *_packed(lists, coarse_d, mine))
+            if len(plain) == len(loaded):
+                dist, ids, shards = combined.search(queries, k, lists, coarse_d)
+            else:
+                mine = np.logical_or.reduce([held[s] for s in plain])
+                dist, ids, shards = combined.search(queries, k, *_packed(lists, coarse_d, mine))
             found_d.append(dist)
             found_i.append(ids)
             found_s.append(shards)
