@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 #: an ``auto`` build runs in-process while its vectors take at most this share of the
 #: machine's memory. On one machine Ray's processes only add start-up, object transfers and
 #: memory (benchmarks/index.py, 2 cores, 24 GiB: 40k vectors 3.5 s in-process against 8.6 s
-#: on Ray, 1M 35.0 s against 41.3 s, 5M 146.9 s against 152.8 s); an in-process build's
+#: on Ray, 1M 35.0–37.9 s against 39.7–41.3 s, 5M 146.9 s against 152.8 s); an in-process build's
 #: peak was 1.6× its vectors (5M: 12.2 GB for 7.3 GB of vectors), so a quarter leaves room
 #: for the rest of the machine. Above it, Ray (whose actors can be spread over a cluster).
 LOCAL_MAX_MEMORY_SHARE = 0.25
