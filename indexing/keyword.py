@@ -146,10 +146,11 @@ def definitions(text: str) -> list[str]:
 def defined_names(text: str | None, title: str | None) -> list[str]:
     """The ``names`` terms of a chunk: each name it defines, qualified by its module, and every
     dotted suffix of that (so ``os.replace``, ``replace`` and a class's ``Path.replace`` all match)."""
-    found = definitions(text) if text else []
+    if not text:
+        return []
+    found = definitions(text)
     if not found:
         return []
-    assert text is not None
     in_text = _MODULE.search(text)
     in_title = _TITLE_MODULE.search(title or "")
     module = in_text.group(1) if in_text else next((g for g in in_title.groups() if g), None) if in_title else None

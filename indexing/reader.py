@@ -276,21 +276,29 @@ class CombinedLists:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(distances, faiss ids, shards) of each query's best k among the lists ``assign``
         names (left-packed, -1 pads; ids -1 where fewer were found)."""
-        n, nprobe = assign.shape
-        params = faiss.SearchParametersIVF()
-        params.nprobe = nprobe
-        dist = np.empty((n, k), dtype=np.float32)
-        pairs = np.empty((n, k), dtype=np.int64)
-        assign = np.ascontiguousarray(assign, dtype=np.int64)
-        coarse = np.ascontiguousarray(coarse, dtype=np.float32)
-        self.index.search_preassigned_c(
-            n, faiss.swig_ptr(queries), k, faiss.swig_ptr(assign), faiss.swig_ptr(coarse),
-            faiss.swig_ptr(dist), faiss.swig_ptr(pairs), True, params,
-        )  # fmt: skip
+        dist, pairs = _preassigned(self.index, queries, k, assign, coarse, faiss.SearchParametersIVF(), True)
         found = pairs >= 0
         list_no = np.where(found, pairs >> 32, 0)
         ids = np.where(found, self._first[list_no] + (pairs & 0xFFFFFFFF), -1)
         return dist, ids, self._shard_of_list[list_no]
+
+
+def _preassigned(
+    index: Any, queries: np.ndarray, k: int, assign: np.ndarray, coarse: np.ndarray, params: Any, pairs: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """(distances, labels) of ``index.search_preassigned`` over the lists ``assign`` names
+    (left-packed, -1 pads): faiss ids, or (list << 32 | offset) with ``pairs``."""
+    n = len(queries)
+    assign = np.ascontiguousarray(assign, dtype=np.int64)
+    coarse = np.ascontiguousarray(coarse, dtype=np.float32)
+    params.nprobe = assign.shape[1]
+    dist = np.empty((n, k), dtype=np.float32)
+    labels = np.empty((n, k), dtype=np.int64)
+    index.search_preassigned_c(
+        n, faiss.swig_ptr(queries), k, faiss.swig_ptr(assign), faiss.swig_ptr(coarse),
+        faiss.swig_ptr(dist), faiss.swig_ptr(labels), pairs, params,
+    )  # fmt: skip
+    return dist, labels
 
 
 def _packed(lists: np.ndarray, coarse_d: np.ndarray, mine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -431,22 +439,14 @@ class IndexReader:
                 return [[Hit(int(sh), int(i), float(d)) for sh, i, d in zip(shards[q], ids[q], dist[q], strict=True)
                          if i >= 0] for q in range(n)]  # fmt: skip
         for s, shard in loaded.items():
-            assign, coarse = (np.ascontiguousarray(a, dtype=t) for a, t in
-                              zip(_packed(lists, coarse_d, held[s]), (np.int64, np.float32), strict=True))  # fmt: skip
             params = faiss.SearchParametersIVF()
-            params.nprobe = assign.shape[1]
             mask = masks[s]
             keep: Any = None
             if mask is not None:
                 if not mask.any():
                     continue
                 params.sel, keep = bitmap_selector(mask)
-            dist = np.empty((n, k), dtype=np.float32)
-            ids = np.empty((n, k), dtype=np.int64)
-            shard.index.search_preassigned_c(
-                n, faiss.swig_ptr(queries), k, faiss.swig_ptr(assign), faiss.swig_ptr(coarse),
-                faiss.swig_ptr(dist), faiss.swig_ptr(ids), False, params,
-            )  # fmt: skip
+            dist, ids = _preassigned(shard.index, queries, k, *_packed(lists, coarse_d, held[s]), params)
             del keep
             found_d.append(dist)
             found_i.append(ids)
