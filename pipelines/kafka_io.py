@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 from bytewax.connectors.kafka import KafkaError, KafkaSource, KafkaSourceMessage, _list_parts
 from bytewax.inputs import StatefulSourcePartition
-from confluent_kafka import Producer
+from confluent_kafka import KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from pipelines import metrics
@@ -43,27 +43,71 @@ def kafka_coordinates(item: SourceItem) -> KafkaCoordinates | None:
 
 class _IdlePartition(StatefulSourcePartition[SourceItem, Any]):
     """Wraps a Kafka partition: sleeps when there is nothing to read, and ends after
-    ``idle_s`` seconds without messages when that is set (batch runs, backfills, tests)."""
+    ``idle_s`` seconds without messages when that is set (batch runs, backfills, tests).
+
+    An idle partition ends only once it has read up to the broker's high watermark: a
+    consumer that is still connecting, or a worker too busy to poll, also sees empty
+    batches, and ending then would finish a run with exit 0 and events unread. The idle
+    clock starts at the first poll, not when the partition is built (recovery and model
+    loading can take longer than ``idle_s``). If the broker cannot say where the partition
+    ends for ``UNCONFIRMED_LIMIT_S`` (or ``idle_s`` if longer), the partition raises."""
+
+    #: how long a partition may stay idle without the broker confirming it has been read to the end
+    UNCONFIRMED_LIMIT_S = 60.0
 
     def __init__(self, inner: StatefulSourcePartition[SourceItem, Any], idle_s: float | None) -> None:
         self._inner = inner
         self._idle_s = idle_s
-        self._last = time.monotonic()
+        self._last: float | None = None
+        self._unconfirmed_since: float | None = None
         self._awake: datetime | None = None
 
     def next_batch(self) -> list[SourceItem]:
         batch = list(self._inner.next_batch())
         now = time.monotonic()
+        if self._last is None:
+            self._last = now
         if batch:
             self._last = now
             self._awake = None
-        else:
-            if self._idle_s is not None and now - self._last >= self._idle_s:
+            return batch
+        if self._idle_s is not None and now - self._last >= self._idle_s:
+            if self._read_to_the_end(now):
                 raise StopIteration()
-            # Don't spin: the embedder needs the CPU more than an empty poll does. 10 ms costs
-            # about 1% of a core and adds 5 ms on average to a change on a quiet stream.
-            self._awake = datetime.now(UTC) + timedelta(milliseconds=IDLE_POLL_MS)
+            self._last = now  # events remain, or the broker did not answer: keep reading
+        # Don't spin: the embedder needs the CPU more than an empty poll does. 10 ms costs
+        # about 1% of a core and adds 5 ms on average to a change on a quiet stream.
+        self._awake = datetime.now(UTC) + timedelta(milliseconds=IDLE_POLL_MS)
         return batch
+
+    def _read_to_the_end(self, now: float) -> bool:
+        """Whether the next offset to read is at the partition's high watermark."""
+        consumer = getattr(self._inner, "_consumer", None)
+        if consumer is None:  # not bytewax's Kafka partition (tests): idle is enough
+            return True
+        part = TopicPartition(self._inner._topic, self._inner._part_idx)  # type: ignore[attr-defined]
+        try:
+            low, high = consumer.get_watermark_offsets(part, timeout=5, cached=False)
+            [position] = consumer.position([part])
+        except KafkaException as exc:
+            if self._unconfirmed_since is None:
+                self._unconfirmed_since = now
+            waited = now - self._unconfirmed_since
+            if waited >= max(self.UNCONFIRMED_LIMIT_S, self._idle_s or 0.0):
+                raise KafkaIOError(
+                    f"{part.topic}[{part.partition}] is idle but the broker has not said where it ends "
+                    f"for {waited:.0f} s ({exc}); stopping here could leave events unread"
+                ) from exc
+            log.warning("%s[%d] is idle; the broker did not say where it ends (%s): reading on",
+                        part.topic, part.partition, exc)  # fmt: skip
+            return False
+        self._unconfirmed_since = None
+        # The consumer's position skips what bytewax's own offset cannot (transaction markers).
+        read = max(self._inner._offset, position.offset, low)  # type: ignore[attr-defined]
+        if read < high:
+            log.info("%s[%d] is idle at offset %d of %d: reading on", part.topic, part.partition, read, high)
+            return False
+        return True
 
     def next_awake(self) -> datetime | None:
         return self._awake
