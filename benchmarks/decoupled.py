@@ -228,7 +228,7 @@ def bench_codecs(work: Path, codecs: list[str], delay_ms: float, n_queries: int)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--codec", action="append", choices=["flat", "sq8", "sq4"], help="(all three)")
+    parser.add_argument("--codec", action="append", help="flat, sq8, sq4 or pqM (default: flat, sq8, pq48)")
     parser.add_argument("--delay-ms", type=float, default=20.0, help="added to every store request (20)")
     parser.add_argument("--queries", type=int, default=300)
     args = parser.parse_args()
@@ -236,7 +236,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="srdecoupled-", dir="/tmp") as tmp:
         start_ray(work_dir=Path(tmp) / "ray")
-        bench_codecs(Path(tmp), args.codec or ["flat", "sq8", "sq4"], args.delay_ms, args.queries)
+        bench_codecs(Path(tmp), args.codec or ["flat", "sq8", "pq48"], args.delay_ms, args.queries)
 
 
 if __name__ == "__main__":

@@ -975,7 +975,7 @@ def main() -> None:
             from benchmarks.decoupled import bench_codecs
 
             start_ray(work_dir=work / "ray3")
-            bench_codecs(work / "codecs", ["flat", "sq8", "sq4"], args.delay_ms, 300)
+            bench_codecs(work / "codecs", ["flat", "sq8", "pq48"], args.delay_ms, 300)
         if "freshness" in sections:
             for store in args.fresh_store or ["local"]:
                 bench_freshness(work, args.updates, args.rate, store,

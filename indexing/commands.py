@@ -47,7 +47,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument(
         "--executor",
         choices=["auto", "local", "ray"],
-        help="auto (default): in this process below 1 GiB of vectors (no Ray start-up), else Ray "
+        help="auto (default): in this process while the vectors take at most a quarter of this machine's "
+        "(or container's) memory (no Ray start-up), else Ray "
         "(local Ray on this machine's cores unless --ray-address)",
     )
     p.add_argument("--iterations", type=int, help="k-means iterations at most (20)")
@@ -55,10 +56,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--shard-mb", type=float, help="target shard size in MB (64)")
     p.add_argument(
         "--codec",
-        choices=["flat", "sq8", "sq4"],
         help="flat (default): float32 IVF shards, fetched whole; sq8/sq4: 8- or 4-bit scalar-quantized "
-        "lists that replicas fetch by byte range and cache list by list, re-ranked exactly with "
-        "float vectors fetched by range",
+        "lists, pqM (e.g. pq48): product-quantized lists of M bytes per vector; compressed lists are "
+        "fetched by byte range, cached list by list and re-ranked exactly with float vectors fetched by range",
     )
     p.add_argument(
         "--reuse-centroids",

@@ -55,7 +55,7 @@ from indexing.kmeans import (
     train_two_level,
     two_level_sample,
 )
-from indexing.lists import encode_lists, save_codec, train_codec
+from indexing.lists import PQ_TRAIN_ROWS, check_codec, encode_lists, pq_size, save_codec, train_codec, train_pq
 from indexing.manifest import (
     FORMAT_VERSION,
     RANGED_FORMAT_VERSION,
@@ -155,6 +155,15 @@ def assign_labels(part: Partition, centroids: np.ndarray, level: CoarseLevel | N
 
 def _bounds(part: Partition) -> tuple[np.ndarray, np.ndarray]:
     return part.vectors.min(axis=0), part.vectors.max(axis=0)
+
+
+def _train_codec(data: BuildData, opts: BuildOptions) -> np.ndarray:
+    """A compressed codec's parameters: a scalar codec's from each dimension's bounds over
+    every row, a product quantizer's trained on a sample of at most ``PQ_TRAIN_ROWS``."""
+    if pq_size(opts.codec) is not None:
+        return train_pq(opts.codec, data.sample(min(data.count(), PQ_TRAIN_ROWS), opts.seed))
+    bounds = data.map(_bounds)
+    return train_codec(opts.codec, np.min([b[0] for b in bounds], axis=0), np.max([b[1] for b in bounds], axis=0))
 
 
 def _block(part: Partition, start: int, end: int) -> tuple[np.ndarray, np.ndarray, pa.Table]:
@@ -428,6 +437,8 @@ def build_index(
             return built
         full_reason = built
         log.info("full build: %s", full_reason)
+    if opts.codec != "flat":
+        check_codec(opts.codec, snap.dim)
     timings: dict[str, float] = {}
     t = time.perf_counter()
     executor = choose_executor(opts.executor, snap.count, snap.dim, opts.ray_address)
@@ -459,10 +470,7 @@ def build_index(
         centroids_ref = put_file(store, f"{prefix}/centroids.npy", sink.getvalue())
         codec = None
         if opts.codec != "flat":
-            bounds = data.map(_bounds)
-            trained = train_codec(
-                opts.codec, np.min([b[0] for b in bounds], axis=0), np.max([b[1] for b in bounds], axis=0)
-            )
+            trained = _train_codec(data, opts)
             codec = Codec(opts.codec, trained, put_file(store, f"{prefix}/codec.npz", save_codec(opts.codec, trained)))
         shards = write_shards(
             data, ranges, store_uri, settings, prefix, len(centroids), snap.dim, codec, opts.progress

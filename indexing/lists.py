@@ -1,7 +1,8 @@
 """IVF lists stored for byte-range reads: a replica fetches only the lists a query probes.
 
 A shard built with a compressed codec (``--codec sq8`` or ``sq4``: faiss's scalar
-quantizer, 8 or 4 bits per dimension) is four files::
+quantizer, 8 or 4 bits per dimension; ``pqM``: faiss's product quantizer, M bytes per
+vector) is four files::
 
     shard-S-E.lists        per list, contiguous: its rows' codes (count × code_size bytes),
                            then each row's 8-byte digest of its float32 vector
@@ -15,7 +16,7 @@ needs no stored ids. A list block is checked against its sha256 when it arrives;
 vector fetched by range for re-ranking is checked against its digest, which came inside
 a checked block. Codes encode the vectors themselves (not residuals), so a list can be
 searched without its centroid, and the codec's parameters (per-dimension minimum and
-range) are one small file per build.
+range; for PQ, each sub-space's 256 centroids) are one small file per build.
 
 Searching copies the probed lists' codes into a throwaway faiss IVF of just those lists
 (``search_lists``): the resident lists stay plain numpy arrays that a byte budget can
@@ -27,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import itertools
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -38,11 +40,16 @@ from typing import Any, Protocol
 import faiss
 import numpy as np
 
-#: codec name → faiss scalar quantizer type ("flat": the float IVF of format 1)
+#: scalar codec name → faiss scalar quantizer type ("flat": the float IVF of format 1)
 CODECS: dict[str, int] = {
     "sq8": faiss.ScalarQuantizer.QT_8bit,
     "sq4": faiss.ScalarQuantizer.QT_4bit,
 }
+#: product-quantizer codecs: "pq" + bytes per vector (sub-quantizers of 8 bits each)
+PQ_CODEC = re.compile(r"pq([1-9][0-9]*)")
+PQ_BITS = 8
+#: rows a product quantizer is trained on (faiss warns below 39 per centroid: 10k)
+PQ_TRAIN_ROWS = 65_536
 #: bytes of the digest kept per row (blake2b of its float32 vector)
 DIGEST_BYTES = 8
 
@@ -51,21 +58,63 @@ class ListIntegrityError(Exception):
     """A fetched list block or vector does not match what the index recorded."""
 
 
+def pq_size(codec: str) -> int | None:
+    """Sub-quantizers (bytes per vector) of a ``pqM`` codec, else None."""
+    found = PQ_CODEC.fullmatch(codec)
+    return int(found.group(1)) if found else None
+
+
+def check_codec(codec: str, dim: int | None = None) -> None:
+    """Refuse a codec this reader cannot build or search, or a PQ size that does not divide ``dim``."""
+    m = pq_size(codec)
+    if codec not in CODECS and m is None:
+        raise ValueError(f"unknown codec {codec!r}; one of flat, {', '.join(CODECS)}, pqM (M bytes per vector).")
+    if m is not None and dim is not None and dim % m:
+        fits = [d for d in range(4, dim // 2 + 1) if dim % d == 0]
+        raise ValueError(f"codec {codec!r}: {m} does not divide the dimension {dim}; pqM takes M in {fits}.")
+
+
+def _product_quantizer(codec: str, trained: np.ndarray) -> Any:
+    m = pq_size(codec)
+    assert m is not None
+    dim = len(trained) // (1 << PQ_BITS)
+    pq = faiss.ProductQuantizer(dim, m, PQ_BITS)
+    faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), pq.centroids)
+    return pq
+
+
 def quantizer(codec: str, trained: np.ndarray) -> Any:
-    """faiss's ScalarQuantizer for a codec, with trained parameters (minimum, range per dimension)."""
+    """faiss's quantizer for a codec with its trained parameters (``compute_codes``, ``code_size``)."""
+    if pq_size(codec) is not None:
+        return _product_quantizer(codec, trained)
     dim = len(trained) // 2
     sq = faiss.ScalarQuantizer(dim, CODECS[codec])
     faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), sq.trained)
     return sq
 
 
+def codec_dim(codec: str, trained: np.ndarray) -> int:
+    return len(trained) // ((1 << PQ_BITS) if pq_size(codec) is not None else 2)
+
+
 def train_codec(codec: str, minimum: np.ndarray, maximum: np.ndarray) -> np.ndarray:
-    """The codec's parameters from per-dimension bounds (what faiss's min-max training computes)."""
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; one of flat, {', '.join(CODECS)}.")
+    """A scalar codec's parameters from per-dimension bounds (what faiss's min-max training computes)."""
+    check_codec(codec, len(minimum))
     sq = faiss.ScalarQuantizer(len(minimum), CODECS[codec])
     sq.train(np.stack([minimum, maximum]).astype(np.float32))
     return faiss.vector_to_array(sq.trained).astype(np.float32)
+
+
+def train_pq(codec: str, sample: np.ndarray) -> np.ndarray:
+    """A product quantizer's centroids (flat float32), trained on a sample of the vectors."""
+    m = pq_size(codec)
+    assert m is not None
+    check_codec(codec, sample.shape[1])
+    if len(sample) < 1 << PQ_BITS:
+        raise ValueError(f"codec {codec!r} needs at least {1 << PQ_BITS} vectors to train; the lake has {len(sample)}.")
+    pq = faiss.ProductQuantizer(sample.shape[1], m, PQ_BITS)
+    pq.train(np.ascontiguousarray(sample, np.float32))
+    return faiss.vector_to_array(pq.centroids).astype(np.float32)
 
 
 def save_codec(codec: str, trained: np.ndarray) -> bytes:
@@ -74,13 +123,31 @@ def save_codec(codec: str, trained: np.ndarray) -> bytes:
     return sink.getvalue()
 
 
+_LOADED_CODECS: OrderedDict[bytes, tuple[str, np.ndarray]] = OrderedDict()
+_LOADED_LOCK = threading.Lock()
+
+
 def load_codec(raw: bytes) -> tuple[str, np.ndarray]:
-    """(codec name, parameters) from a build's codec file."""
+    """(codec name, parameters) from a build's codec file. Every shard of a build names the
+    same file: it is parsed once and its parameters shared (a PQ's are 256 × dim floats)."""
+    digest = hashlib.sha256(raw).digest()
+    with _LOADED_LOCK:
+        if digest in _LOADED_CODECS:
+            _LOADED_CODECS.move_to_end(digest)
+            return _LOADED_CODECS[digest]
     with np.load(io.BytesIO(raw), allow_pickle=False) as z:
         name = str(z["codec"])
-        if name not in CODECS:
-            raise ValueError(f"this reader does not know the codec {name!r}; upgrade streamrag.")
-        return name, z["trained"]
+        try:
+            check_codec(name)
+        except ValueError:
+            raise ValueError(f"this reader does not know the codec {name!r}; upgrade streamrag.") from None
+        trained = z["trained"]
+    trained.setflags(write=False)
+    with _LOADED_LOCK:
+        _LOADED_CODECS[digest] = (name, trained)
+        while len(_LOADED_CODECS) > 8:
+            _LOADED_CODECS.popitem(last=False)
+    return name, trained
 
 
 def row_digests(vectors: np.ndarray) -> np.ndarray:
@@ -252,7 +319,7 @@ class ResidentLists:
         self.table = table
         self.codec = codec
         self.trained = trained
-        self.dim = len(trained) // 2
+        self.dim = codec_dim(codec, trained)
         self._fetch_blocks = fetch_blocks
         self._fetch_vectors = fetch_vectors
         self._budget = budget
@@ -394,6 +461,20 @@ class ResidentLists:
 _DUMMY_QUANTIZERS: dict[int, Any] = {}
 
 
+def _list_index(codec: str, trained: np.ndarray, quant: Any, dim: int, nlist: int) -> Any:
+    """An empty faiss IVF over the codec's codes of the vectors themselves (not residuals)."""
+    m = pq_size(codec)
+    if m is not None:
+        index: Any = faiss.IndexIVFPQ(quant, dim, nlist, m, PQ_BITS, faiss.METRIC_L2)
+        index.by_residual = False
+        faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), index.pq.centroids)
+    else:
+        index = faiss.IndexIVFScalarQuantizer(quant, dim, nlist, CODECS[codec], faiss.METRIC_L2, False)
+        faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), index.sq.trained)
+    index.is_trained = True
+    return index
+
+
 def search_lists(
     codec: str,
     trained: np.ndarray,
@@ -422,9 +503,7 @@ def search_lists(
     # faiss clamps nprobe to nlist, and reads query i's lists at i × nprobe: with fewer lists
     # than probes per query, every query after the first would read another's row.
     nlist = max(1, len(numbers), local.shape[1])
-    index: Any = faiss.IndexIVFScalarQuantizer(quant, dim, nlist, CODECS[codec], faiss.METRIC_L2, False)
-    faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), index.sq.trained)
-    index.is_trained = True
+    index = _list_index(codec, trained, quant, dim, nlist)
     invlists: Any = index.invlists
     total = 0
     for slot, list_no in enumerate(numbers.tolist()):

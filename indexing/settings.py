@@ -17,12 +17,16 @@ class IndexBuildSettings(BaseSettings):
     lake_version: int | None = Field(None, ge=0, description="Delta version to index (default latest)")
     ray_address: str | None = Field(None, description="join a Ray cluster (implies executor ray)")
     executor: str = Field(
-        "auto", pattern=r"^(auto|local|ray)$", description="in-process below 1 GiB of vectors (auto), local or ray"
+        "auto",
+        pattern=r"^(auto|local|ray)$",
+        description="in-process while the vectors take ≤ 1/4 of memory (auto), local or ray",
     )
     iterations: int = Field(20, ge=1, description="k-means iterations at most")
     seed: int = 1234
     shard_mb: float = Field(64.0, gt=0, description="target shard size in MB")
-    codec: str = Field("flat", pattern=r"^(flat|sq8|sq4)$", description="how vectors are stored in the shards")
+    codec: str = Field(
+        "flat", pattern=r"^(flat|sq8|sq4|pq[1-9][0-9]*)$", description="how vectors are stored in the shards"
+    )
     assign_nprobe: int | None = Field(
         None, ge=1, description="the smallest nprobe assignment is chosen for (default: serve's default nprobe)"
     )

@@ -59,7 +59,7 @@ def oracle(lake: Lake, queries: np.ndarray, k: int = 10) -> list[list[str]]:
     return [[ids[j] for j in row] for row in best]
 
 
-@pytest.fixture(params=["flat", "sq8"])
+@pytest.fixture(params=["flat", "sq8", "pq8"])
 def codec(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

@@ -94,6 +94,44 @@ def test_recall_with_exact_rerank_matches_the_float_index(indexes) -> None:  # t
     assert np.allclose(np.square(v - queries[0]).sum(axis=1), exact_d[:3], atol=1e-4)
 
 
+def test_product_quantized_lists_hold_m_bytes_a_vector_and_rerank_to_the_float_recall(  # type: ignore[no-untyped-def]
+    indexes, tmp_path: Path
+) -> None:
+    """``pq8`` on 32 dimensions: 8 bytes of codes per vector (16× smaller than float32), the
+    sub-quantizers trained on a sample, and after the exact re-rank the float index's recall."""
+    flat, _, x = indexes
+    lake = synthetic_lake(str(tmp_path / "lake"), n=6000, dim=32)[0]
+    store = LocalStore(str(tmp_path / "pq"))
+    manifest = build_index(plan(lake), store.root, ObjectStoreSettings(), dataclasses.replace(OPTS, codec="pq8"))
+    publish(store, manifest)
+    assert manifest.codec == "pq8" and manifest.format_version == 2
+    rng = np.random.default_rng(3)
+    queries = (x[rng.choice(len(x), 100, replace=False)] + rng.normal(0, 0.05, (100, x.shape[1]))).astype(np.float32)
+    want = truth(x, queries)
+    recall = {}
+    for name, path in (("flat", flat), ("pq8", tmp_path / "pq")):
+        reader = IndexReader(LocalStore(str(path)))
+        got = found_ids(reader, reader.search(queries, 10, nprobe=8))
+        recall[name] = np.mean([len(set(g) & set(w.tolist())) / 10 for g, w in zip(got, want, strict=True)])
+    assert recall["pq8"] >= recall["flat"] - 0.02, recall
+    reader = IndexReader(LocalStore(str(tmp_path / "pq")))
+    shard = reader.shard(0)
+    assert shard.lists is not None and shard.lists.table.code_size == 8
+    reader.search(queries, 10, nprobe=64)  # every list resident
+    rows = sum(s.count for s in manifest.shards)
+    held = sum(reader.shard(i).lists.resident_bytes for i in range(len(manifest.shards)))  # type: ignore[union-attr]
+    assert held == rows * (8 + 8)  # codes + the digest that checks each re-ranked vector
+    hits = reader.search(queries[:1], 10, nprobe=8)[0]
+    assert np.allclose(np.square(reader.vectors(hits) - queries[0]).sum(axis=1), [h.distance for h in hits], atol=1e-4)
+
+
+def test_a_pq_size_that_does_not_divide_the_dimension_is_refused_before_any_work(tmp_path: Path) -> None:
+    lake = synthetic_lake(str(tmp_path / "lake"), n=600, dim=32)[0]
+    with pytest.raises(ValueError, match=r"'pq5': 5 does not divide the dimension 32; pqM takes M in \[4, 8, 16\]"):
+        build_index(plan(lake), str(tmp_path / "pq"), ObjectStoreSettings(), dataclasses.replace(OPTS, codec="pq5"))
+    assert not (tmp_path / "pq").exists()
+
+
 def test_a_batch_of_queries_answers_as_each_query_alone(indexes) -> None:  # type: ignore[no-untyped-def]
     """Each shard holds fewer lists than a query probes: faiss clamps its probes per query to
     the lists it was given, which once made every query after a batch's first read another's."""
