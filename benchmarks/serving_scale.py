@@ -1,0 +1,205 @@
+"""Serving an index many times larger than a replica's memory budget, beside LanceDB's IVF_PQ.
+
+A lake of ``--n`` synthetic unit vectors (384 dimensions, written in 250k-row blocks: the
+harness never holds them all) is indexed with a compressed codec (``--codec``, pq48 by
+default) and served by a replica whose cache may hold ``--memory-mb`` of index data (1 GB
+by default) in memory, with a disk tier, from an index store that adds ``--delay-ms`` to
+every request (20 by default: about what a first byte from real S3 costs). At 5M vectors
+the index's files are 10 GB: too big for moto's in-memory S3 on this machine, so the store
+is the local one behind the same delay, counting requests and bytes as S3 would bill them.
+
+Printed, one JSON line per system:
+
+- ours: build time; storage bytes per million vectors; a fresh replica's first query
+  (latency, GET requests, bytes) and the next 20; warm p50/p99 and GETs and bytes per
+  query; recall@10 against exact search at the default nprobe; the memory the cache holds
+  and the process's resident memory;
+- LanceDB (``.venv-peers``, ``make bench``): the same vectors as an ``IVF_PQ`` index with
+  as many sub-vectors and lists, searched at the same nprobe with the same re-ranking depth
+  (``refine_factor``) and with its defaults: build time, storage, a fresh connection's
+  first query and the next 20, warm p50/p99, recall@10, bytes read per query from its
+  files (``/proc/self/io``: LanceDB reads its local files through the OS) and resident memory.
+
+Run: ``.venv/bin/python -m benchmarks.serving_scale --n 5000000`` (about 30 minutes here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import faiss
+import numpy as np
+import psutil
+
+from benchmarks.decoupled import LatencyStore, ms
+from benchmarks.index import emit, synthetic
+from benchmarks.retrieval import VectorsOnly
+from indexing.ivf import BuildOptions, build_index, choose_nlist
+from indexing.lists import pq_size
+from indexing.manifest import default_nprobe, publish
+from indexing.snapshot import plan
+from indexing.store import LocalStore
+from pipelines.lake import CHUNKS, Lake
+from pipelines.lake_writer import LakeWriter
+from pipelines.storage import ObjectStoreSettings
+from retrieval.acl import ANONYMOUS
+from retrieval.cache import ShardCache
+from retrieval.engine import SearchEngine
+from retrieval.views import EngineOptions
+from tests.indexing.lakes import MODEL, chunk_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+DIM = 384
+BLOCK = 250_000
+
+
+def write_vectors(n: int, nlist: int, work: Path, n_queries: int) -> tuple[Lake, Path, np.ndarray, np.ndarray]:
+    """The lake, the same vectors as one .npy file (for the peer and the exact answers), the
+    queries (held-out vectors of the same topics, not in the lake) and their exact top-10."""
+    lake = Lake.at(str(work / "lake"))
+    lake.ensure_tables(1)
+    writer = LakeWriter(lake, CHUNKS, "bench", None)
+    path = work / "vectors.npy"
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, DIM))
+    queries = np.empty((0, DIM), np.float32)
+    for at in range(0, n, BLOCK):
+        size = min(BLOCK, n - at)
+        take = n_queries if at == 0 else 0
+        x = synthetic(size + take, DIM, topics=max(1, 4 * nlist * size // n), seed=at)
+        queries = np.concatenate([queries, x[size:]])
+        out[at : at + size] = x[:size]
+        writer.write(chunk_rows(x[:size], start=at))
+        del x
+    out.flush()
+    del out
+    vectors = np.load(path, mmap_mode="r")
+    best_d = np.full((len(queries), 10), np.inf, np.float32)
+    best_i = np.zeros((len(queries), 10), np.int64)
+    for at in range(0, n, 500_000):
+        exact = faiss.IndexFlatL2(DIM)
+        exact.add(np.ascontiguousarray(vectors[at : at + 500_000]))
+        d, i = exact.search(queries, 10)
+        d_all, i_all = np.concatenate([best_d, d], axis=1), np.concatenate([best_i, i + at], axis=1)
+        order = np.argsort(d_all, axis=1, kind="stable")[:, :10]
+        best_d, best_i = np.take_along_axis(d_all, order, 1), np.take_along_axis(i_all, order, 1)
+    return lake, path, queries, best_i
+
+
+def serve_ours(lake: Lake, index: Path, cache_dir: Path, queries: np.ndarray, truth: np.ndarray, memory_mb: int,
+               delay_ms: float, nprobe: int, cold_only: bool = False) -> dict[str, object]:  # fmt: skip
+    """A fresh replica: first query, the next 20, then (unless ``cold_only``) every query twice (warm)."""
+    rss0 = psutil.Process().memory_info().rss
+    slow = LatencyStore(LocalStore(str(index)), delay_ms / 1000)
+    cache = ShardCache(cache_dir, memory_bytes=memory_mb << 20)
+    engine = SearchEngine(lake, slow, VectorsOnly(MODEL.format(dim=DIM)), cache,
+                          EngineOptions(prefetch=False, nprobe=nprobe))  # fmt: skip
+    t0 = time.perf_counter()
+    engine.start(background=False)
+    ready_s = time.perf_counter() - t0
+    view = engine.current_view()
+
+    def run(qs: np.ndarray, want: np.ndarray) -> tuple[list[float], float, int, int]:
+        r0, b0 = slow.snapshot()
+        latencies, found = [], 0
+        for q, w in zip(qs, want, strict=True):
+            t = time.perf_counter()
+            result = engine.search_vector(view, q, 10, ANONYMOUS)
+            latencies.append(time.perf_counter() - t)
+            found += len({int(r["chunk_id"][1:]) for r in result.results} & set(w.tolist()))
+        r1, b1 = slow.snapshot()
+        return latencies, found / want.size, r1 - r0, b1 - b0
+
+    first, _, first_requests, first_bytes = run(queries[:1], truth[:1])
+    next20, _, next_requests, next_bytes = run(queries[1:21], truth[1:21])
+    cold = {"ready_s": round(ready_s, 2), "cold_first_query_ms": round(first[0] * 1000, 1),
+            "cold_first_requests": first_requests, "cold_first_mb": round(first_bytes / 2**20, 2),
+            "cold_next_20": {**ms(next20), "requests_per_query": next_requests / 20,
+                             "mb_per_query": round(next_bytes / 20 / 2**20, 3)}}  # fmt: skip
+    if cold_only:
+        engine.stop()
+        return cold
+    run(queries, truth)
+    warm, recall, requests, nbytes = run(queries, truth)
+    held = cache.memory_held
+    rss = psutil.Process().memory_info().rss
+    engine.stop()
+    return {**cold, "warm": {**ms(warm), "requests_per_query": round(requests / len(queries), 1),
+                     "kb_per_query": round(nbytes / len(queries) / 1024, 1)},
+            "recall_at_10": round(recall, 4), "cache_memory_mb": round(held / 2**20, 1),
+            "process_rss_growth_mb": round((rss - rss0) / 2**20, 1)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=5_000_000)
+    parser.add_argument("--codec", default="pq48")
+    parser.add_argument("--memory-mb", type=int, default=1024, help="the replica's cache budget in memory (1024)")
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="added to every store request (20)")
+    parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
+    parser.add_argument("--no-peer", action="store_true")
+    args = parser.parse_args()
+    nlist = choose_nlist(args.n)
+    nprobe = default_nprobe(nlist)
+    with tempfile.TemporaryDirectory(prefix="srscale-", dir="/tmp") as tmp:
+        work = Path(tmp)
+        t0 = time.perf_counter()
+        lake, _, queries, truth = write_vectors(args.n, nlist, work, args.queries)
+        np.save(work / "queries.npy", queries)
+        np.save(work / "truth.npy", truth)
+        prepared_s = time.perf_counter() - t0
+        index = work / "index"
+        t0 = time.perf_counter()
+        opts = BuildOptions(nlist, args.iterations, progress=False, codec=args.codec, ray_dir=str(work / "ray"))
+        manifest = build_index(plan(lake), str(index), ObjectStoreSettings(), opts)
+        publish(LocalStore(str(index)), manifest)
+        build_s = time.perf_counter() - t0
+        stored = sum(f.stat().st_size for f in index.rglob("*") if f.is_file())
+        served = serve_ours(lake, index, work / "replica-cache", queries, truth, args.memory_mb, args.delay_ms, nprobe)
+        # the peer reads local files with no added delay: a fresh replica of ours the same way
+        undelayed = serve_ours(lake, index, work / "replica-cache-2", queries, truth, args.memory_mb, 0.0, nprobe,
+                               cold_only=True)  # fmt: skip
+        emit(bench="serving_scale", system="streamrag", n=args.n, dim=DIM, nlist=nlist, nprobe=nprobe,
+             codec=args.codec, memory_budget_mb=args.memory_mb, delay_ms_per_request=args.delay_ms,
+             prepare_s=round(prepared_s, 1), build_s=round(build_s, 1), build_stages=manifest.stats["timings"],
+             storage_mb_per_million=round(stored / args.n * 1e6 / 2**20, 1), **served,
+             no_delay={k: undelayed[k] for k in ("cold_first_query_ms", "cold_next_20")})  # fmt: skip
+        if args.no_peer:
+            return
+        if not args.peer_python.exists():
+            emit(bench="serving_scale", system="lancedb", skipped=f"{args.peer_python} not found: run `make bench`")
+            return
+        shutil_free(index, work / "replica-cache", work / "replica-cache-2")
+        m = pq_size(args.codec) or DIM // 8
+        out = subprocess.run(
+            [str(args.peer_python), str(ROOT / "benchmarks" / "peer_lancedb.py"), str(work), "--nlist", str(nlist),
+             "--iterations", str(args.iterations), "--nprobe", str(nprobe), "--pq", str(m), "--refine", "4",
+             "--serving", "--label", "synthetic"],
+            capture_output=True, text=True, env={**os.environ, "LANCE_LOG": "error"},
+        )  # fmt: skip
+        for line in out.stdout.splitlines():
+            print(json.dumps({**json.loads(line), "n": args.n}), flush=True)
+        if out.returncode != 0:
+            emit(bench="serving_scale", system="lancedb", error=out.stderr[-2000:])
+
+
+def shutil_free(*paths: Path) -> None:
+    """Free the disk our index took before the peer writes its own copy."""
+    import shutil
+
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
