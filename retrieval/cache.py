@@ -19,12 +19,13 @@ import logging
 import os
 import tempfile
 import threading
+from collections import OrderedDict
 from functools import partial
 from pathlib import Path
 
 from indexing.lists import ByteBudget, RangeRead
 from indexing.manifest import FileRef, ShardRef, get_verified, sha256
-from indexing.reader import LoadedShard, open_shard
+from indexing.reader import LoadedShard, open_shard, range_pool
 from indexing.sparse import RangeFetch, SparseCopy
 from indexing.store import ObjectStore
 from retrieval import metrics
@@ -39,6 +40,10 @@ def default_cache_dir() -> Path:
 
 #: bound once: a query looks up every shard it probes
 _MEMORY_HITS = metrics.CACHE_REQUESTS.labels("memory")
+#: files that every shard of a build names (its codec parameters: a PQ's are 384 KB at
+#: 384 dimensions) stay in memory once fetched, this many, so a cold replica opening 100
+#: shards fetches each once, not once per shard
+SHARED_FILES = 4
 
 
 class ShardCache:
@@ -50,6 +55,8 @@ class ShardCache:
         self.budget = ByteBudget(memory_bytes, on_change=metrics.CACHE_MEMORY_BYTES.set, on_evict=_count_list_eviction)
         self._lock = threading.Lock()
         self._inflight: dict[str, threading.Lock] = {}
+        self._shared: OrderedDict[str, bytes] = OrderedDict()  # sha256 → bytes (SHARED_FILES)
+        self._shared_gates: dict[str, threading.Lock] = {}
         self._disk_held = 0
         #: shards evicted from memory so far (a reader's combined view of its shards holds
         #: them alive: it drops that view when this changes)
@@ -75,7 +82,10 @@ class ShardCache:
             if found is not None:
                 return found
             try:
-                got = [self._file(store, f) for f in ref.opened()]  # a ranged shard's lists come later
+                # a ranged shard's lists come later; its small files come together, in one round trip
+                files = ref.opened()
+                shared = {ref.codec.sha256} if ref.codec is not None else set()
+                got = list(range_pool().map(lambda f: self._file(store, f, f.sha256 in shared), files))
                 shard = open_shard(store, ref, [blob for blob, _ in got], self.budget, self._ranged)
             finally:
                 with self._lock:
@@ -122,7 +132,28 @@ class ShardCache:
         if shard is not None and shard.lists is not None:
             shard.lists.drop_all()
 
-    def _file(self, store: ObjectStore, ref: FileRef) -> tuple[bytes, bool]:
+    def _file(self, store: ObjectStore, ref: FileRef, shared: bool = False) -> tuple[bytes, bool]:
+        """The verified bytes of a file, and whether they came from a cache (disk, or for a
+        ``shared`` file, memory: fetched once however many shards ask for it at once)."""
+        if not shared:
+            return self._tiered_file(store, ref)
+        with self._lock:
+            gate = self._shared_gates.setdefault(ref.sha256, threading.Lock())
+        with gate:
+            with self._lock:
+                data = self._shared.get(ref.sha256)
+                if data is not None:
+                    self._shared.move_to_end(ref.sha256)
+                    return data, True
+            data, from_disk = self._tiered_file(store, ref)
+            with self._lock:
+                self._shared[ref.sha256] = data
+                while len(self._shared) > SHARED_FILES:
+                    gone, _ = self._shared.popitem(last=False)
+                    self._shared_gates.pop(gone, None)
+            return data, from_disk
+
+    def _tiered_file(self, store: ObjectStore, ref: FileRef) -> tuple[bytes, bool]:
         """The verified bytes of a file, and whether they came from the disk cache."""
         path = self.directory / ref.sha256 if self.directory is not None else None
         if path is not None and path.exists():

@@ -35,6 +35,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="threads per query embedding on CPU (default: one for a few queries, every core for a large batch)",
     )
     p.add_argument("--nprobe", type=int, help="IVF lists probed per query (default 16%% of the lists, 32 to 128)")
+    p.add_argument(
+        "--rerank",
+        type=int,
+        help="a compressed (sq8/sq4/pqM) index ranks RERANK × k candidates by their codes, then re-ranks them "
+        "exactly with their float vectors fetched by range (4; 1: no re-ranking)",
+    )
     p.add_argument("--cache-dir", type=Path, help="disk cache for shards (default ~/.cache/streamrag/shards)")
     p.add_argument("--cache-memory-mb", type=int, help="shards held in memory (2048 MB)")
     p.add_argument("--cache-disk-mb", type=int, help="shard files kept on disk (20480 MB)")
@@ -187,6 +193,7 @@ def _engine(config: EngineSettings) -> Any:
     cache = ShardCache(config.cache_dir or default_cache_dir(), memory, config.cache_disk_mb << 20)
     options = EngineOptions(
         nprobe=config.nprobe,
+        rerank=config.rerank,
         tail_poll_s=config.tail_poll or (2.0 if following else 0.5),
         index_poll_s=config.index_poll,
         prefetch_bytes=memory,

@@ -171,7 +171,7 @@ class SearchEngine(Views):
         nprobe = min(self.options.nprobe or default_nprobe(nlist), nlist)
         query = np.ascontiguousarray(vector[None, :], dtype=np.float32)
         while True:
-            hits = reader.search(query, depth, nprobe, allow)[0]
+            hits = reader.search(query, depth, nprobe, allow, rerank=self.options.rerank)[0]
             if len(hits) >= need or nprobe >= nlist:
                 break
             nprobe = min(nlist, nprobe * 4)

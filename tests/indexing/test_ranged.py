@@ -125,6 +125,33 @@ def test_product_quantized_lists_hold_m_bytes_a_vector_and_rerank_to_the_float_r
     assert np.allclose(np.square(reader.vectors(hits) - queries[0]).sum(axis=1), [h.distance for h in hits], atol=1e-4)
 
 
+def test_shards_scanned_in_one_call_answer_as_shard_by_shard(indexes, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The unfiltered probed shards of a compressed index are scanned in one faiss call (each
+    row's id carries its shard); one call per shard gives the same hits, in the same order."""
+    import indexing.lists as lists_mod
+    import indexing.reader as reader_mod
+
+    _, sq8, x = indexes
+    calls: list[int] = []
+    real = lists_mod.search_lists
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(len(args[4]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reader_mod, "search_lists", counting)
+    queries = x[:20] + 0.01
+    reader = IndexReader(LocalStore(str(sq8)))
+    together = reader.search(queries, 10, nprobe=32)
+    assert len(calls) == 1 and len(reader.manifest.shards) > 1
+    monkeypatch.setattr(reader_mod, "_SHARD_IDS", 1)  # the first shard alone, the others each on their own
+    calls.clear()
+    apart = reader.search(queries, 10, nprobe=32)
+    assert len(calls) == len(reader.manifest.shards)
+    assert apart == together
+    assert len({h.shard for hits in together for h in hits}) > 1  # hits from several shards, decoded
+
+
 def test_a_pq_size_that_does_not_divide_the_dimension_is_refused_before_any_work(tmp_path: Path) -> None:
     lake = synthetic_lake(str(tmp_path / "lake"), n=600, dim=32)[0]
     with pytest.raises(ValueError, match=r"'pq5': 5 does not divide the dimension 32; pqM takes M in \[4, 8, 16\]"):
