@@ -89,13 +89,18 @@ def serving(args: argparse.Namespace, x: np.ndarray, queries: np.ndarray, truth:
                     "recall_at_10": round(found / want.size, 4), "read_calls_per_query": round((c1 - c0) / len(qs), 1),
                     "kb_read_per_query": round((b1 - b0) / len(qs) / 1024, 1)}  # fmt: skip
 
-        first = run(queries[:1], truth[:1], nprobe, args.refine)
-        next20 = run(queries[1:21], truth[1:21], nprobe, args.refine)
-        run(queries, truth, nprobe, args.refine)
-        warm = run(queries, truth, nprobe, args.refine)
+        refine, *deeper = args.refine or [None]
+        first = run(queries[:1], truth[:1], nprobe, refine)
+        next20 = run(queries[1:21], truth[1:21], nprobe, refine)
+        run(queries, truth, nprobe, refine)
+        warm = run(queries, truth, nprobe, refine)
+        more = {}
+        for r in deeper:
+            run(queries, truth, nprobe, r)
+            more[f"refine_{r}"] = run(queries, truth, nprobe, r)
         defaults = run(queries, truth, None, None)
         emit(bench="serving_scale", system="lancedb", lancedb=lancedb.__version__, index="IVF_PQ", dim=dim,
-             nlist=args.nlist, pq_sub_vectors=args.pq, nprobe=nprobe, refine_factor=args.refine,
+             nlist=args.nlist, pq_sub_vectors=args.pq, nprobe=nprobe, refine_factor=refine, **more,
              load_s=round(loaded, 1), build_s=round(loaded + indexed, 1), index_s=round(indexed, 1),
              storage_mb_per_million=round(stored / n * 1e6 / 2**20, 1), open_s=round(opened, 3),
              cold_first_query_ms=first["p50_ms"], cold_first=first, cold_next_20=next20, warm=warm,
@@ -112,7 +117,12 @@ def main() -> None:
     parser.add_argument("--nprobe", type=int, action="append")
     parser.add_argument("--label", default="")
     parser.add_argument("--pq", type=int, help="IVF_PQ with this many sub-vectors (with --serving)")
-    parser.add_argument("--refine", type=int, help="refine_factor: re-rank this many × k exactly (with --serving)")
+    parser.add_argument(
+        "--refine",
+        type=int,
+        action="append",
+        help="refine_factor: re-rank this many × k exactly (with --serving; the first timed cold)",
+    )
     parser.add_argument("--serving", action="store_true", help="IVF_PQ, measured as a replica serving it")
     args = parser.parse_args()
     x = np.load(args.dir / "vectors.npy", mmap_mode="r")

@@ -26,6 +26,7 @@ Run: ``.venv/bin/python -m benchmarks.serving_scale --n 5000000`` (about 30 minu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -95,13 +96,15 @@ def write_vectors(n: int, nlist: int, work: Path, n_queries: int) -> tuple[Lake,
 
 
 def serve_ours(lake: Lake, index: Path, cache_dir: Path, queries: np.ndarray, truth: np.ndarray, memory_mb: int,
-               delay_ms: float, nprobe: int, cold_only: bool = False) -> dict[str, object]:  # fmt: skip
-    """A fresh replica: first query, the next 20, then (unless ``cold_only``) every query twice (warm)."""
+               delay_ms: float, nprobe: int, reranks: list[int],
+               cold_only: bool = False) -> dict[str, object]:  # fmt: skip
+    """A fresh replica: first query, the next 20, then (unless ``cold_only``) every query twice
+    (warm) at the first re-ranking depth, and twice at each other depth."""
     rss0 = psutil.Process().memory_info().rss
     slow = LatencyStore(LocalStore(str(index)), delay_ms / 1000)
     cache = ShardCache(cache_dir, memory_bytes=memory_mb << 20)
     engine = SearchEngine(lake, slow, VectorsOnly(MODEL.format(dim=DIM)), cache,
-                          EngineOptions(prefetch=False, nprobe=nprobe))  # fmt: skip
+                          EngineOptions(prefetch=False, nprobe=nprobe, rerank=reranks[0]))  # fmt: skip
     t0 = time.perf_counter()
     engine.start(background=False)
     ready_s = time.perf_counter() - t0
@@ -131,8 +134,16 @@ def serve_ours(lake: Lake, index: Path, cache_dir: Path, queries: np.ndarray, tr
     warm, recall, requests, nbytes = run(queries, truth)
     held = cache.memory_held
     rss = psutil.Process().memory_info().rss
+    deeper = {}
+    for rerank in reranks[1:]:
+        engine.options = dataclasses.replace(engine.options, rerank=rerank)
+        run(queries, truth)
+        lat, rec, req, _ = run(queries, truth)
+        deeper[f"rerank_{rerank}"] = {**ms(lat), "recall_at_10": round(rec, 4),
+                                      "requests_per_query": round(req / len(queries), 1)}  # fmt: skip
     engine.stop()
-    return {**cold, "warm": {**ms(warm), "requests_per_query": round(requests / len(queries), 1),
+    return {**cold, "rerank": reranks[0], **deeper,
+            "warm": {**ms(warm), "requests_per_query": round(requests / len(queries), 1),
                      "kb_per_query": round(nbytes / len(queries) / 1024, 1)},
             "recall_at_10": round(recall, 4), "cache_memory_mb": round(held / 2**20, 1),
             "process_rss_growth_mb": round((rss - rss0) / 2**20, 1)}  # fmt: skip
@@ -145,10 +156,12 @@ def main() -> None:
     parser.add_argument("--memory-mb", type=int, default=1024, help="the replica's cache budget in memory (1024)")
     parser.add_argument("--delay-ms", type=float, default=20.0, help="added to every store request (20)")
     parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--rerank", type=int, action="append", help="re-ranking depths × k (4, 16)")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     parser.add_argument("--no-peer", action="store_true")
     args = parser.parse_args()
+    reranks = args.rerank or [4, 16]
     nlist = choose_nlist(args.n)
     nprobe = default_nprobe(nlist)
     with tempfile.TemporaryDirectory(prefix="srscale-", dir="/tmp") as tmp:
@@ -165,10 +178,11 @@ def main() -> None:
         publish(LocalStore(str(index)), manifest)
         build_s = time.perf_counter() - t0
         stored = sum(f.stat().st_size for f in index.rglob("*") if f.is_file())
-        served = serve_ours(lake, index, work / "replica-cache", queries, truth, args.memory_mb, args.delay_ms, nprobe)
+        served = serve_ours(lake, index, work / "replica-cache", queries, truth, args.memory_mb, args.delay_ms, nprobe,
+                            reranks)  # fmt: skip
         # the peer reads local files with no added delay: a fresh replica of ours the same way
         undelayed = serve_ours(lake, index, work / "replica-cache-2", queries, truth, args.memory_mb, 0.0, nprobe,
-                               cold_only=True)  # fmt: skip
+                               reranks, cold_only=True)  # fmt: skip
         emit(bench="serving_scale", system="streamrag", n=args.n, dim=DIM, nlist=nlist, nprobe=nprobe,
              codec=args.codec, memory_budget_mb=args.memory_mb, delay_ms_per_request=args.delay_ms,
              prepare_s=round(prepared_s, 1), build_s=round(build_s, 1), build_stages=manifest.stats["timings"],
@@ -183,7 +197,8 @@ def main() -> None:
         m = pq_size(args.codec) or DIM // 8
         out = subprocess.run(
             [str(args.peer_python), str(ROOT / "benchmarks" / "peer_lancedb.py"), str(work), "--nlist", str(nlist),
-             "--iterations", str(args.iterations), "--nprobe", str(nprobe), "--pq", str(m), "--refine", "4",
+             "--iterations", str(args.iterations), "--nprobe", str(nprobe), "--pq", str(m),
+             *[f"--refine={r}" for r in reranks],
              "--serving", "--label", "synthetic"],
             capture_output=True, text=True, env={**os.environ, "LANCE_LOG": "error"},
         )  # fmt: skip
