@@ -38,8 +38,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rerank",
         type=int,
-        help="a compressed (sq8/sq4/pqM) index ranks RERANK × k candidates by their codes, then re-ranks them "
-        "exactly with their float vectors fetched by range (4; 1: no re-ranking)",
+        help="a compressed index ranks RERANK × k candidates by their codes, then re-ranks them exactly with "
+        "their float vectors fetched by range (sq8/sq4: 4, pqM: 10; 1: no re-ranking)",
     )
     p.add_argument("--cache-dir", type=Path, help="disk cache for shards (default ~/.cache/streamrag/shards)")
     p.add_argument("--cache-memory-mb", type=int, help="shards held in memory (2048 MB)")

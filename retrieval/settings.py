@@ -28,7 +28,9 @@ class EngineSettings(BaseSettings):
     dtype: str = Field("auto", pattern=r"^(auto|fp32|bf16|fp16|int8)$", description="query embedder precision")
     cpu_threads: int | None = Field(None, ge=1, le=1024, description="threads per query embedding on CPU")
     nprobe: int | None = Field(None, ge=1, description="IVF lists probed per query (default 16%, 32-128)")
-    rerank: int = Field(4, ge=1, le=100, description="compressed indexes: re-rank this many × k candidates exactly")
+    rerank: int | None = Field(
+        None, ge=1, le=100, description="compressed indexes: re-rank this many × k candidates exactly (4; pqM: 10)"
+    )
     cache_dir: Path | None = Field(None, description="disk cache for shards (~/.cache/streamrag/shards)")
     cache_memory_mb: int = Field(2048, ge=1)
     cache_disk_mb: int = Field(20480, ge=1)

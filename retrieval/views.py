@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from indexing.manifest import ManifestError, latest_version, load_manifest, versions
-from indexing.reader import RERANK, IndexReader, ShardSource
+from indexing.reader import IndexReader, ShardSource
 from indexing.store import NotFound, ObjectStore
 from pipelines.caches import LRU
 from pipelines.lake import Lake
@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 class EngineOptions:
     #: lists probed per query; None = auto (see default_nprobe)
     nprobe: int | None = None
-    #: a compressed index re-ranks this many × k candidates exactly (its float vectors, by range)
-    rerank: int = RERANK
+    #: a compressed index re-ranks this many × k candidates exactly (its float vectors, by
+    #: range); None: by codec (indexing.reader.default_rerank: 4 for sq8/sq4, 10 for pqM)
+    rerank: int | None = None
     max_k: int = 100
     max_query_chars: int = 4096
     tail_poll_s: float = 0.5
