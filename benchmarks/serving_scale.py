@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -193,7 +194,8 @@ def main() -> None:
         if not args.peer_python.exists():
             emit(bench="serving_scale", system="lancedb", skipped=f"{args.peer_python} not found: run `make bench`")
             return
-        shutil_free(index, work / "replica-cache", work / "replica-cache-2")
+        for path in (index, work / "replica-cache", work / "replica-cache-2"):  # room for the peer's copy
+            shutil.rmtree(path, ignore_errors=True)
         m = pq_size(args.codec) or DIM // 8
         out = subprocess.run(
             [str(args.peer_python), str(ROOT / "benchmarks" / "peer_lancedb.py"), str(work), "--nlist", str(nlist),
@@ -206,14 +208,6 @@ def main() -> None:
             print(json.dumps({**json.loads(line), "n": args.n}), flush=True)
         if out.returncode != 0:
             emit(bench="serving_scale", system="lancedb", error=out.stderr[-2000:])
-
-
-def shutil_free(*paths: Path) -> None:
-    """Free the disk our index took before the peer writes its own copy."""
-    import shutil
-
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 if __name__ == "__main__":

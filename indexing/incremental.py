@@ -166,7 +166,7 @@ def build_incremental(
             codec = None
             if prev.codec != "flat":
                 ref = next(s.codec for s in prev.shards if s.codec is not None)
-                codec = Codec(*load_codec(get_verified(store, ref)), ref)
+                codec = Codec(*load_codec(get_verified(store, ref), ref.sha256), ref)
             ranges = [(a, b) for a, b in plan_shards(counts, snap.dim, opts.shard_bytes) if counts[a:b].any()]
             shards = write_shards(
                 data, ranges, store.root, settings, prefix, prev.nlist, snap.dim, codec, opts.progress

@@ -74,27 +74,23 @@ def check_codec(codec: str, dim: int | None = None) -> None:
         raise ValueError(f"codec {codec!r}: {m} does not divide the dimension {dim}; pqM takes M in {fits}.")
 
 
-def _product_quantizer(codec: str, trained: np.ndarray) -> Any:
-    m = pq_size(codec)
-    assert m is not None
-    dim = len(trained) // (1 << PQ_BITS)
-    pq = faiss.ProductQuantizer(dim, m, PQ_BITS)
-    faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), pq.centroids)
-    return pq
+def codec_dim(codec: str, trained: np.ndarray) -> int:
+    """The vectors' dimension, from a codec's parameters (a PQ: 256 centroids of every
+    sub-space, end to end; a scalar codec: a minimum and a range per dimension)."""
+    return len(trained) // ((1 << PQ_BITS) if pq_size(codec) is not None else 2)
 
 
 def quantizer(codec: str, trained: np.ndarray) -> Any:
     """faiss's quantizer for a codec with its trained parameters (``compute_codes``, ``code_size``)."""
-    if pq_size(codec) is not None:
-        return _product_quantizer(codec, trained)
-    dim = len(trained) // 2
+    dim, m = codec_dim(codec, trained), pq_size(codec)
+    params = np.ascontiguousarray(trained, np.float32)
+    if m is not None:
+        pq = faiss.ProductQuantizer(dim, m, PQ_BITS)
+        faiss.copy_array_to_vector(params, pq.centroids)
+        return pq
     sq = faiss.ScalarQuantizer(dim, CODECS[codec])
-    faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), sq.trained)
+    faiss.copy_array_to_vector(params, sq.trained)
     return sq
-
-
-def codec_dim(codec: str, trained: np.ndarray) -> int:
-    return len(trained) // ((1 << PQ_BITS) if pq_size(codec) is not None else 2)
 
 
 def train_codec(codec: str, minimum: np.ndarray, maximum: np.ndarray) -> np.ndarray:
@@ -123,14 +119,15 @@ def save_codec(codec: str, trained: np.ndarray) -> bytes:
     return sink.getvalue()
 
 
-_LOADED_CODECS: OrderedDict[bytes, tuple[str, np.ndarray]] = OrderedDict()
+_LOADED_CODECS: OrderedDict[str, tuple[str, np.ndarray]] = OrderedDict()
 _LOADED_LOCK = threading.Lock()
 
 
-def load_codec(raw: bytes) -> tuple[str, np.ndarray]:
-    """(codec name, parameters) from a build's codec file. Every shard of a build names the
-    same file: it is parsed once and its parameters shared (a PQ's are 256 × dim floats)."""
-    digest = hashlib.sha256(raw).digest()
+def load_codec(raw: bytes, sha256: str | None = None) -> tuple[str, np.ndarray]:
+    """(codec name, parameters) from a build's codec file (``sha256``: its digest, when the
+    caller has verified the bytes against it). Every shard of a build names the same file:
+    it is parsed once and its parameters shared (a PQ's are 256 × dim floats)."""
+    digest = sha256 or hashlib.sha256(raw).hexdigest()
     with _LOADED_LOCK:
         if digest in _LOADED_CODECS:
             _LOADED_CODECS.move_to_end(digest)

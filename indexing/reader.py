@@ -152,7 +152,7 @@ def open_ranged_shard(
     (the shard cache's ``SparseCopy`` of it)."""
     assert ref.vectors is not None
     table = ListTable.from_bytes(table_blob)
-    name, trained = load_codec(codec_blob)
+    name, trained = load_codec(codec_blob, ref.codec.sha256 if ref.codec is not None else None)
 
     def ranged(file: FileRef) -> RangeRead:
         def fetch(ranges: list[tuple[int, int]], fresh: bool = False) -> tuple[list[bytes], int, int]:
@@ -534,6 +534,12 @@ class IndexReader:
         together: list[int] = []
         taken: set[int] = set()
         codec: tuple[str, np.ndarray] | None = None
+
+        def first_rows(s: int, tag: int = 0) -> dict[int, int]:
+            """The first row of each of shard s's resident lists (plus ``tag``: its shard bits)."""
+            table = loaded[s].lists.table  # type: ignore[union-attr]
+            return {n_: tag + int(table.firsts[n_ - table.list_start]) for n_ in resident[s]}
+
         for s, shard in loaded.items():
             assert shard.lists is not None
             mask = self.row_mask(s, shard, allow)
@@ -549,11 +555,9 @@ class IndexReader:
                 if not mask.any():
                     continue
                 params.sel, keep = bitmap_selector(mask)
-            table = shard.lists.table
-            firsts = {n_: int(table.firsts[n_ - table.list_start]) for n_ in resident[s]}
             assign = np.where(held[s], lists, -1)
-            dist, rows = search_lists(shard.lists.codec, shard.lists.trained, queries, assign, resident[s], firsts,
-                                      depth, params)  # fmt: skip
+            dist, rows = search_lists(shard.lists.codec, shard.lists.trained, queries, assign, resident[s],
+                                      first_rows(s), depth, params)  # fmt: skip
             del keep
             found_d.append(dist)
             found_i.append(rows)
@@ -563,9 +567,8 @@ class IndexReader:
             merged: dict[int, tuple[np.ndarray, np.ndarray]] = {}
             firsts = {}
             for s in together:
-                table = loaded[s].lists.table  # type: ignore[union-attr]
                 merged.update(resident[s])
-                firsts.update({n_: (s << _ROW_BITS) + int(table.firsts[n_ - table.list_start]) for n_ in resident[s]})
+                firsts.update(first_rows(s, s << _ROW_BITS))
             assign = np.where(np.logical_or.reduce([held[s] for s in together]), lists, -1)
             dist, ids = search_lists(*codec, queries, assign, merged, firsts, depth,
                                      faiss.SearchParametersIVF())  # fmt: skip
