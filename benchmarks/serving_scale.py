@@ -26,6 +26,7 @@ Run: ``.venv/bin/python -m benchmarks.serving_scale --n 5000000`` (about 30 minu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -42,12 +43,12 @@ import faiss
 import numpy as np
 import psutil
 
-from benchmarks.decoupled import LatencyStore, ms
+from benchmarks.decoupled import LatencyStore, ms, probed_list_bytes
 from benchmarks.index import emit, synthetic
 from benchmarks.retrieval import VectorsOnly
 from indexing.ivf import BuildOptions, build_index, choose_nlist
 from indexing.lists import pq_size
-from indexing.manifest import default_nprobe, publish
+from indexing.manifest import default_nprobe, load_manifest, publish
 from indexing.snapshot import plan
 from indexing.store import LocalStore
 from pipelines.lake import CHUNKS, Lake
@@ -123,9 +124,11 @@ def serve_ours(lake: Lake, index: Path, cache_dir: Path, queries: np.ndarray, tr
         return latencies, found / want.size, r1 - r0, b1 - b0
 
     first, _, first_requests, first_bytes = run(queries[:1], truth[:1])
+    probed = probed_list_bytes(view.reader, queries[:1], nprobe)
     next20, _, next_requests, next_bytes = run(queries[1:21], truth[1:21])
     cold = {"ready_s": round(ready_s, 2), "cold_first_query_ms": round(first[0] * 1000, 1),
             "cold_first_requests": first_requests, "cold_first_mb": round(first_bytes / 2**20, 2),
+            "cold_first_probed_lists_mb": round(probed / 2**20, 2),
             "cold_next_20": {**ms(next20), "requests_per_query": next_requests / 20,
                              "mb_per_query": round(next_bytes / 20 / 2**20, 3)}}  # fmt: skip
     if cold_only:
@@ -161,22 +164,43 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="work in this directory and keep it: a second run with the same "
+        "--n reuses its lake, queries and index (no build, no peer; for iterating on serving)",
+    )
     args = parser.parse_args()
     reranks = args.rerank or [4, 16]
     nlist = choose_nlist(args.n)
     nprobe = default_nprobe(nlist)
-    with tempfile.TemporaryDirectory(prefix="srscale-", dir="/tmp") as tmp:
-        work = Path(tmp)
-        t0 = time.perf_counter()
-        lake, _, queries, truth = write_vectors(args.n, nlist, work, args.queries)
-        np.save(work / "queries.npy", queries)
-        np.save(work / "truth.npy", truth)
-        prepared_s = time.perf_counter() - t0
+    with contextlib.ExitStack() as stack:
+        if args.keep is None:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="srscale-", dir="/tmp")))
+        else:
+            work = args.keep
+            work.mkdir(parents=True, exist_ok=True)
         index = work / "index"
+        reused = args.keep is not None and (index / "LATEST").exists() and (work / "truth.npy").exists()
         t0 = time.perf_counter()
-        opts = BuildOptions(nlist, args.iterations, progress=False, codec=args.codec, ray_dir=str(work / "ray"))
-        manifest = build_index(plan(lake), str(index), ObjectStoreSettings(), opts)
-        publish(LocalStore(str(index)), manifest)
+        if reused:
+            lake, queries, truth = (
+                Lake.at(str(work / "lake")),
+                np.load(work / "queries.npy"),
+                np.load(work / "truth.npy"),
+            )
+        else:
+            lake, _, queries, truth = write_vectors(args.n, nlist, work, args.queries)
+            np.save(work / "queries.npy", queries)
+            np.save(work / "truth.npy", truth)
+        prepared_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if reused:
+            manifest = load_manifest(LocalStore(str(index)))
+        else:
+            opts = BuildOptions(nlist, args.iterations, progress=False, codec=args.codec, ray_dir=str(work / "ray"))
+            manifest = build_index(plan(lake), str(index), ObjectStoreSettings(), opts)
+            publish(LocalStore(str(index)), manifest)
         build_s = time.perf_counter() - t0
         stored = sum(f.stat().st_size for f in index.rglob("*") if f.is_file())
         served = serve_ours(lake, index, work / "replica-cache", queries, truth, args.memory_mb, args.delay_ms, nprobe,
@@ -186,16 +210,18 @@ def main() -> None:
                                reranks, cold_only=True)  # fmt: skip
         emit(bench="serving_scale", system="streamrag", n=args.n, dim=DIM, nlist=nlist, nprobe=nprobe,
              codec=args.codec, memory_budget_mb=args.memory_mb, delay_ms_per_request=args.delay_ms,
-             prepare_s=round(prepared_s, 1), build_s=round(build_s, 1), build_stages=manifest.stats["timings"],
+             prepare_s=None if reused else round(prepared_s, 1), build_s=None if reused else round(build_s, 1),
+             reused_index=reused, build_stages=manifest.stats["timings"],
              storage_mb_per_million=round(stored / args.n * 1e6 / 2**20, 1), **served,
              no_delay={k: undelayed[k] for k in ("cold_first_query_ms", "cold_next_20")})  # fmt: skip
-        if args.no_peer:
+        for path in (work / "replica-cache", work / "replica-cache-2"):
+            shutil.rmtree(path, ignore_errors=True)
+        if args.no_peer or args.keep is not None:
             return
         if not args.peer_python.exists():
             emit(bench="serving_scale", system="lancedb", skipped=f"{args.peer_python} not found: run `make bench`")
             return
-        for path in (index, work / "replica-cache", work / "replica-cache-2"):  # room for the peer's copy
-            shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(index, ignore_errors=True)  # room for the peer's copy
         m = pq_size(args.codec) or DIM // 8
         out = subprocess.run(
             [str(args.peer_python), str(ROOT / "benchmarks" / "peer_lancedb.py"), str(work), "--nlist", str(nlist),

@@ -44,6 +44,7 @@ from indexing.kmeans import imbalance
 from indexing.lists import load_codec
 from indexing.manifest import (
     INCREMENTAL_FORMAT_VERSION,
+    ROW_BLOCKS_FORMAT_VERSION,
     FileRef,
     Manifest,
     ManifestError,
@@ -213,7 +214,10 @@ def build_incremental(
         shards=[*shards, *delta],
         stats=stats,
         codec=prev.codec,
-        format_version=INCREMENTAL_FORMAT_VERSION,
+        # a delta of row-block shards (or a base of them) needs a reader that knows both layouts
+        format_version=ROW_BLOCKS_FORMAT_VERSION
+        if any(s.id_blocks for s in [*shards, *delta])
+        else INCREMENTAL_FORMAT_VERSION,
         base_version=base_version,
         base_writer_seqs=base_seqs,
         keyword=prev.keyword,  # the base's; replicas add the delta rows (indexing.keyword)

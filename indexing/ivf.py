@@ -59,6 +59,7 @@ from indexing.lists import PQ_TRAIN_ROWS, check_codec, encode_lists, pq_size, sa
 from indexing.manifest import (
     FORMAT_VERSION,
     RANGED_FORMAT_VERSION,
+    ROW_BLOCKS_FORMAT_VERSION,
     FileRef,
     Manifest,
     ShardRef,
@@ -203,20 +204,26 @@ def build_shard(
     name = f"{prefix}/shard-{start:06d}-{end:06d}"
     ids = np.arange(len(vectors), dtype=np.int64)
     rows = rows.append_column("faiss_id", pa.array(ids)).append_column("list_no", pa.array(labels, pa.int32()))
-    sink = io.BytesIO()
-    pq.write_table(rows, sink, compression="zstd")
     keys = put_file(store, f"{name}.keys.parquet", chunk_keys(rows))
+    sink = io.BytesIO()
     if codec is not None:
-        lists, floats, table = encode_lists(vectors, labels, start, end, codec.name, codec.trained)
+        lists, floats, table, row_blocks = encode_lists(vectors, labels, start, end, codec.name, codec.trained, rows)
+        if row_blocks is None:  # the layout of format 2: a parquet id map, fetched whole
+            pq.write_table(rows, sink, compression="zstd")
+            ids_ref = put_file(store, f"{name}.ids.parquet", sink.getvalue())
+        else:
+            ids_ref = put_file(store, f"{name}.rows", row_blocks)
         return ShardRef(
             put_file(store, f"{name}.lists", lists),
-            put_file(store, f"{name}.ids.parquet", sink.getvalue()),
+            ids_ref,
             start, end, len(vectors),
             table=put_file(store, f"{name}.table.npz", table.to_bytes()),
             vectors=put_file(store, f"{name}.vectors", floats),
             codec=codec.ref,
             keys=keys,
+            id_blocks=row_blocks is not None,
         )  # fmt: skip
+    pq.write_table(rows, sink, compression="zstd")
     index = faiss.IndexIVFFlat(faiss.IndexFlatL2(dim), dim, nlist, faiss.METRIC_L2)
     index.is_trained = True  # the coarse quantizer lives in the manifest's centroids
     bounds = np.searchsorted(labels, np.arange(start, end + 1))
@@ -231,6 +238,13 @@ def build_shard(
     index_ref = put_file(store, f"{name}.faiss", blob)
     ids_ref = put_file(store, f"{name}.ids.parquet", sink.getvalue())
     return ShardRef(index_ref, ids_ref, start, end, len(vectors), keys=keys)
+
+
+def format_of(shards: list[ShardRef], codec: str) -> int:
+    """The manifest format a full build's shards need (the oldest that reads them)."""
+    if any(s.id_blocks for s in shards):
+        return ROW_BLOCKS_FORMAT_VERSION
+    return FORMAT_VERSION if codec == "flat" else RANGED_FORMAT_VERSION
 
 
 def chunk_keys(rows: pa.Table) -> bytes:
@@ -509,7 +523,7 @@ def build_index(
         shards=shards,
         stats=stats,
         codec=opts.codec,
-        format_version=FORMAT_VERSION if opts.codec == "flat" else RANGED_FORMAT_VERSION,
+        format_version=format_of(shards, opts.codec),
         base_writer_seqs=snap.writer_seqs,
         keyword=keyword,
     )

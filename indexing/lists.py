@@ -5,11 +5,21 @@ quantizer, 8 or 4 bits per dimension; ``pqM``: faiss's product quantizer, M byte
 vector) is four files::
 
     shard-S-E.lists        per list, contiguous: its rows' codes (count × code_size bytes),
-                           then each row's 8-byte digest of its float32 vector
+                           each row's 8-byte digest of its float32 vector, then what filters
+                           read of each row: its ACL's number in the shard's table of distinct
+                           ACLs (uint32) and a hash of its chunk id (int64)
     shard-S-E.vectors      the float32 vectors, row after row, in the same order
+    shard-S-E.rows         the id map (row → chunk version and lineage): an Arrow IPC stream
+                           of blocks of ``ROW_BLOCK`` rows, so a result's lineage is one block
+                           fetched by range, not the whole map
     shard-S-E.table.npz    per list: byte offset of its block in .lists, first row, row count,
-                           sha256 of the block
-    shard-S-E.ids.parquet  row → chunk version and lineage (as for every shard)
+                           sha256 of the block; per row block: offset in .rows and sha256;
+                           the id map's schema and the shard's distinct ACLs
+
+A query on such a shard fetches the table once, then only the probed lists' blocks (codes
+and filter columns together), the candidates' float vectors and the results' row blocks.
+Shards of indexes built before the row blocks (format 2 and 3) keep a parquet id map
+(``shard-S-E.ids.parquet``) fetched whole, and filter columns come from it.
 
 Rows are sorted by list, so list ``l`` holds rows ``first[l] .. first[l] + count[l]`` and
 needs no stored ids. A list block is checked against its sha256 when it arrives; a float
@@ -25,20 +35,23 @@ drop at any time (faiss's own inverted lists cannot give memory back through Pyt
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import itertools
+import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import faiss
 import numpy as np
+import pyarrow as pa
 
 #: scalar codec name → faiss scalar quantizer type ("flat": the float IVF of format 1)
 CODECS: dict[str, int] = {
@@ -52,6 +65,12 @@ PQ_BITS = 8
 PQ_TRAIN_ROWS = 65_536
 #: bytes of the digest kept per row (blake2b of its float32 vector)
 DIGEST_BYTES = 8
+#: bytes per row of a list block after the codes and digest: ACL number (uint32), chunk-id hash (int64)
+COLUMN_BYTES = 12
+#: rows of the id map per block read by range: a result's lineage costs one block (at the
+#: Python docs' 292 bytes of text per chunk, about 10 KB compressed); the table keeps 40
+#: bytes per block (offset and sha256), 0.6 bytes per row
+ROW_BLOCK = 64
 
 
 class ListIntegrityError(Exception):
@@ -156,9 +175,66 @@ def row_digests(vectors: np.ndarray) -> np.ndarray:
     return out
 
 
+def key_hashes(chunk_ids: Iterable[str | None]) -> np.ndarray:
+    """int64 hashes of chunk ids (blake2b, 8 bytes): what a list block keeps for the
+    superseded-row filter. A collision can only hide a row, never show one."""
+    return np.fromiter(
+        (int.from_bytes(hashlib.blake2b((c or "").encode(), digest_size=8).digest(), "little", signed=True)
+         for c in chunk_ids), np.int64)  # fmt: skip
+
+
+def row_columns(rows: pa.Table) -> tuple[np.ndarray, np.ndarray, bytes]:
+    """(ACL numbers uint32, chunk-id hashes int64, the distinct ACLs as JSON) of an id map's rows."""
+    numbers: dict[Any, int] = {}
+    distinct: list[Any] = []
+    codes = np.empty(rows.num_rows, np.uint32)
+    acl = rows.column("acl").to_pylist() if "acl" in rows.column_names else [None] * rows.num_rows
+    for i, value in enumerate(acl):
+        key = None if value is None else tuple(value)
+        if key not in numbers:
+            numbers[key] = len(distinct)
+            distinct.append(value)
+        codes[i] = numbers[key]
+    return codes, key_hashes(rows.column("chunk_id").to_pylist()), json.dumps(distinct).encode()
+
+
+def encode_rows(rows: pa.Table) -> tuple[bytes, np.ndarray, np.ndarray, bytes]:
+    """(``.rows`` bytes, block offsets (blocks + 1), block sha256s, schema) of an id map:
+    one Arrow IPC stream (zstd), each block of ``ROW_BLOCK`` rows its own message."""
+    rows = rows.combine_chunks()
+    for f in rows.schema:
+        if pa.types.is_dictionary(f.type):
+            rows = rows.set_column(rows.schema.get_field_index(f.name), f.name, rows.column(f.name).dictionary_decode())
+    sink = pa.BufferOutputStream()
+    writer = pa.ipc.new_stream(sink, rows.schema, options=pa.ipc.IpcWriteOptions(compression="zstd"))
+    writer.write_batch(pa.RecordBatch.from_pylist([], schema=rows.schema))  # the schema goes out with it
+    offsets = [sink.tell()]
+    for lo in range(0, rows.num_rows, ROW_BLOCK):
+        (batch,) = rows.slice(lo, ROW_BLOCK).to_batches() or [pa.RecordBatch.from_pylist([], schema=rows.schema)]
+        writer.write_batch(batch)
+        offsets.append(sink.tell())
+    writer.close()
+    blob = sink.getvalue().to_pybytes()
+    bounds = np.asarray(offsets, np.int64)
+    sha = [np.frombuffer(hashlib.sha256(blob[a:b]).digest(), np.uint8) for a, b in itertools.pairwise(offsets)]
+    return blob, bounds, np.stack(sha) if sha else np.zeros((0, 32), np.uint8), rows.schema.serialize().to_pybytes()
+
+
+def decode_id_map(raw: bytes, blocked: bool, columns: list[str] | None = None) -> pa.Table:
+    """A whole id map: a ``.rows`` IPC stream (``blocked``) or a parquet file."""
+    if blocked:
+        table = pa.ipc.open_stream(pa.py_buffer(raw)).read_all()
+        return table.select([c for c in columns if c in table.column_names]) if columns else table
+    import pyarrow.parquet as pq
+
+    return pq.read_table(pa.BufferReader(raw), columns=columns)
+
+
 @dataclass(frozen=True)
 class ListTable:
-    """Where each list of a shard lies: block offset in ``.lists``, first row, rows, sha256."""
+    """Where each list of a shard lies: block offset in ``.lists``, first row, rows, sha256;
+    with ``columns``, each list block carries its rows' filter columns, and ``row_offsets``,
+    ``row_sha256`` and ``schema`` locate and check the id map's row blocks in ``.rows``."""
 
     list_start: int
     offsets: np.ndarray  # int64, one per list of the shard
@@ -166,22 +242,40 @@ class ListTable:
     counts: np.ndarray  # int64
     sha256: np.ndarray  # (lists, 32) uint8
     code_size: int
+    columns: bool = False
+    row_offsets: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    row_sha256: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 32), np.uint8))
+    schema: bytes = b""
+    acls: bytes = b"[]"  # the shard's distinct ACLs (JSON), which the filter columns number
 
     def to_bytes(self) -> bytes:
         sink = io.BytesIO()
+        extra: dict[str, Any] = {}
+        if self.columns:
+            extra = dict(columns=True, row_offsets=self.row_offsets, row_sha256=self.row_sha256,
+                         schema=np.frombuffer(self.schema, np.uint8),
+                         acls=np.frombuffer(self.acls, np.uint8))  # fmt: skip
         np.savez(sink, list_start=self.list_start, offsets=self.offsets, firsts=self.firsts, counts=self.counts,
-                 sha256=self.sha256, code_size=self.code_size)  # fmt: skip
+                 sha256=self.sha256, code_size=self.code_size, **extra)  # fmt: skip
         return sink.getvalue()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> ListTable:
         with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-            return cls(int(z["list_start"]), z["offsets"], z["firsts"], z["counts"], z["sha256"], int(z["code_size"]))
+            base = (int(z["list_start"]), z["offsets"], z["firsts"], z["counts"], z["sha256"], int(z["code_size"]))
+            if "columns" not in z.files:
+                return cls(*base)
+            return cls(*base, True, z["row_offsets"], z["row_sha256"], z["schema"].tobytes(), z["acls"].tobytes())
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row of a list block."""
+        return self.code_size + DIGEST_BYTES + (COLUMN_BYTES if self.columns else 0)
 
     def span(self, list_no: int) -> tuple[int, int]:
         """(offset, bytes) of a list's block in ``.lists``."""
         i = list_no - self.list_start
-        return int(self.offsets[i]), int(self.counts[i]) * (self.code_size + DIGEST_BYTES)
+        return int(self.offsets[i]), int(self.counts[i]) * self.row_bytes
 
     def list_of(self, rows: np.ndarray) -> np.ndarray:
         """The list number holding each row."""
@@ -189,21 +283,33 @@ class ListTable:
 
     @property
     def nbytes(self) -> int:
-        return int(self.offsets.nbytes + self.firsts.nbytes + self.counts.nbytes + self.sha256.nbytes)
+        return int(self.offsets.nbytes + self.firsts.nbytes + self.counts.nbytes + self.sha256.nbytes
+                   + self.row_offsets.nbytes + self.row_sha256.nbytes + len(self.schema) + len(self.acls))  # fmt: skip
 
 
 def encode_lists(
-    vectors: np.ndarray, labels: np.ndarray, start: int, end: int, codec: str, trained: np.ndarray
-) -> tuple[bytes, bytes, ListTable]:
-    """(``.lists`` bytes, ``.vectors`` bytes, table) for rows already sorted by list."""
+    vectors: np.ndarray,
+    labels: np.ndarray,
+    start: int,
+    end: int,
+    codec: str,
+    trained: np.ndarray,
+    rows: pa.Table | None = None,
+) -> tuple[bytes, bytes, ListTable, bytes | None]:
+    """(``.lists`` bytes, ``.vectors`` bytes, table, ``.rows`` bytes) for rows already sorted
+    by list; without the id map ``rows``, the list blocks carry no filter columns and there
+    is no ``.rows`` file (the layout of format 2)."""
     sq = quantizer(codec, trained)
     codes = sq.compute_codes(np.ascontiguousarray(vectors, np.float32)).reshape(len(vectors), -1)
     digests = row_digests(vectors)
+    columns = row_columns(rows) if rows is not None else None
     bounds = np.searchsorted(labels, np.arange(start, end + 1))
     blocks, offsets, sha = [], [], []
     offset = 0
     for lo, hi in itertools.pairwise(bounds):
         block = codes[lo:hi].tobytes() + digests[lo:hi].tobytes()
+        if columns is not None:
+            block += columns[0][lo:hi].tobytes() + columns[1][lo:hi].tobytes()
         blocks.append(block)
         offsets.append(offset)
         sha.append(np.frombuffer(hashlib.sha256(block).digest(), np.uint8))
@@ -216,7 +322,13 @@ def encode_lists(
         np.stack(sha) if sha else np.zeros((0, 32), np.uint8),
         int(sq.code_size),
     )
-    return b"".join(blocks), np.ascontiguousarray(vectors, np.float32).tobytes(), table
+    floats = np.ascontiguousarray(vectors, np.float32).tobytes()
+    if rows is None or columns is None:
+        return b"".join(blocks), floats, table, None
+    blob, row_offsets, row_sha, schema = encode_rows(rows)
+    table = dataclasses.replace(table, columns=True, row_offsets=row_offsets, row_sha256=row_sha, schema=schema,
+                                acls=columns[2])  # fmt: skip
+    return b"".join(blocks), floats, table, blob
 
 
 # -- the reader's side ---------------------------------------------------------------
@@ -296,11 +408,26 @@ class RangeRead(Protocol):
     def __call__(self, ranges: list[tuple[int, int]], fresh: bool = False) -> tuple[list[bytes], int, int]: ...
 
 
+class ListData(NamedTuple):
+    """A resident list: its rows' codes and vector digests; with filter columns, their ACL
+    numbers and chunk-id hashes (empty for a list of the older layout)."""
+
+    codes: np.ndarray
+    digests: np.ndarray
+    acl: np.ndarray
+    keys: np.ndarray
+
+
+_NO_ACL = np.zeros(0, np.uint32)
+_NO_KEYS = np.zeros(0, np.int64)
+
+
 class ResidentLists:
     """The lists of one shard that are in memory, fetched by range on demand.
 
     ``fetch_blocks(ranges)`` and ``fetch_vectors(ranges)`` read byte ranges of the shard's
-    ``.lists`` and ``.vectors`` files (the reader binds them to its store and pool).
+    ``.lists`` and ``.vectors`` files, ``fetch_rows`` of its ``.rows`` id map (the reader
+    binds them to its store and pool).
     """
 
     def __init__(
@@ -312,6 +439,7 @@ class ResidentLists:
         fetch_vectors: RangeRead,
         budget: ByteBudget | None = None,
         key: Hashable = None,
+        fetch_rows: RangeRead | None = None,
     ) -> None:
         self.table = table
         self.codec = codec
@@ -319,29 +447,33 @@ class ResidentLists:
         self.dim = codec_dim(codec, trained)
         self._fetch_blocks = fetch_blocks
         self._fetch_vectors = fetch_vectors
+        self._fetch_rows = fetch_rows
         self._budget = budget
         self._key = key
-        self._lists: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # list → (codes, digests)
-        self._inflight: dict[int, Future[tuple[np.ndarray, np.ndarray]]] = {}  # lists being fetched
+        self._lists: dict[int, ListData] = {}
+        self._inflight: dict[int, Future[ListData]] = {}  # lists being fetched
+        self._blocks: dict[int, pa.RecordBatch] = {}  # id-map row blocks in memory
+        self._schema: pa.Schema | None = None
+        self._acls: pa.Array | None = None
         self._lock = threading.Lock()
         self.fetched = Fetched()  # since the shard was opened
 
     @property
     def resident_bytes(self) -> int:
         with self._lock:
-            return sum(c.nbytes + d.nbytes for c, d in self._lists.values())
+            return sum(sum(part.nbytes for part in data) for data in self._lists.values())
 
     def resident(self, list_no: int) -> bool:
         with self._lock:
             return list_no in self._lists
 
-    def lists(self, wanted: list[int], moved: Fetched | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    def lists(self, wanted: list[int], moved: Fetched | None = None) -> dict[int, ListData]:
         """(codes, digests) of each wanted list: resident ones at once, the others fetched
         (one ranged read per run of neighbouring lists) and checked against the table. A list
         another query is already fetching is waited for, not fetched twice."""
-        found: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        claimed: dict[int, Future[tuple[np.ndarray, np.ndarray]]] = {}
-        awaited: dict[int, Future[tuple[np.ndarray, np.ndarray]]] = {}
+        found: dict[int, ListData] = {}
+        claimed: dict[int, Future[ListData]] = {}
+        awaited: dict[int, Future[ListData]] = {}
         with self._lock:
             for list_no in dict.fromkeys(wanted):
                 if list_no in self._lists:
@@ -370,7 +502,7 @@ class ResidentLists:
             found[list_no] = future.result()
         return found
 
-    def _fetch_lists(self, missing: list[int], moved: Fetched | None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    def _fetch_lists(self, missing: list[int], moved: Fetched | None) -> dict[int, ListData]:
         spans = [self.table.span(n) for n in missing]
         blobs = self._read(self._fetch_blocks, spans, lambda at, blob: self._list_ok(missing[at], blob), moved)
         cs = self.table.code_size
@@ -380,10 +512,14 @@ class ResidentLists:
                 raise ListIntegrityError(f"list {list_no} does not match its sha256 in the index; refusing to use it.")
             n = int(self.table.counts[list_no - self.table.list_start])
             raw = np.frombuffer(blob, np.uint8)
-            codes, digests = raw[: n * cs].reshape(n, cs), raw[n * cs :].reshape(n, DIGEST_BYTES)
-            found[list_no] = (codes, digests)
+            end = n * (cs + DIGEST_BYTES)
+            codes, digests = raw[: n * cs].reshape(n, cs), raw[n * cs : end].reshape(n, DIGEST_BYTES)
+            data = ListData(codes, digests, _NO_ACL, _NO_KEYS)
+            if self.table.columns:
+                data = data._replace(acl=raw[end : end + 4 * n].view(np.uint32), keys=raw[end + 4 * n :].view(np.int64))
+            found[list_no] = data
             with self._lock:
-                self._lists.setdefault(list_no, (codes, digests))
+                self._lists.setdefault(list_no, data)
             if self._budget is not None:
                 self._budget.admit((self._key, list_no), len(blob), partial(self.drop, list_no))
         return found
@@ -421,13 +557,89 @@ class ResidentLists:
             self._lists.pop(list_no, None)
 
     def drop_all(self) -> None:
-        """Forget every resident list (the shard itself left the cache)."""
+        """Forget every resident list and row block (the shard itself left the cache)."""
         with self._lock:
             numbers = list(self._lists)
+            blocks = list(self._blocks)
             self._lists.clear()
+            self._blocks.clear()
         if self._budget is not None:
             for list_no in numbers:
                 self._budget.forget((self._key, list_no))
+            for block in blocks:
+                self._budget.forget((self._key, "rows", block))
+            self._budget.forget((self._key, "ids"))  # a whole id map, if one was fetched
+
+    # -- the filter columns and the id map (a table with ``columns``) --------------------
+
+    def columns_of(self, lists: Mapping[int, ListData]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, ACL numbers, chunk-id hashes) of the given lists: those a query fetched,
+        which stay in its hands if the budget drops them meanwhile."""
+        if not lists:
+            return np.zeros(0, np.int64), np.zeros(0, np.uint32), np.zeros(0, np.int64)
+        firsts = self.table.firsts[np.fromiter(lists, np.int64, len(lists)) - self.table.list_start].tolist()
+        rows = [np.arange(f, f + len(d.acl), dtype=np.int64) for f, d in zip(firsts, lists.values(), strict=True)]
+        acl = np.concatenate([d.acl for d in lists.values()])
+        return np.concatenate(rows), acl, np.concatenate([d.keys for d in lists.values()])
+
+    def acls(self) -> pa.Array:
+        """The shard's distinct ACLs (list<string>), in the order the ACL numbers count."""
+        if self._acls is None:
+            self._acls = pa.array(json.loads(self.table.acls), pa.list_(pa.string()))
+        return self._acls
+
+    def records(self, rows: np.ndarray, moved: Fetched | None = None) -> pa.Table:
+        """The id map's rows ``rows``, in that order: each one's row block fetched by range
+        (blocks already in memory are not), checked against its sha256 in the table."""
+        assert self._fetch_rows is not None and self.table.columns
+        if self._schema is None:
+            self._schema = pa.ipc.read_schema(pa.py_buffer(self.table.schema))
+        wanted = sorted({int(r) // ROW_BLOCK for r in rows})
+        with self._lock:
+            have = {b: self._blocks[b] for b in wanted if b in self._blocks}
+        for b in have:
+            if self._budget is not None:
+                self._budget.touch((self._key, "rows", b))
+        missing = [b for b in wanted if b not in have]
+        if missing:
+            offsets = self.table.row_offsets
+            spans = [(int(offsets[b]), int(offsets[b + 1] - offsets[b])) for b in missing]
+
+            def ok(at: int, blob: bytes) -> bool:
+                digest = self.table.row_sha256[missing[at]].tobytes()
+                return len(blob) == spans[at][1] and hashlib.sha256(blob).digest() == digest
+
+            for b, blob in zip(missing, self._read(self._fetch_rows, spans, ok, moved), strict=True):
+                if blob is None:
+                    raise ListIntegrityError(f"row block {b} does not match its sha256 in the index; refusing it.")
+                batch = pa.ipc.read_record_batch(pa.ipc.read_message(pa.py_buffer(blob)), self._schema)
+                have[b] = batch
+                with self._lock:
+                    self._blocks.setdefault(b, batch)
+                if self._budget is not None:
+                    self._budget.admit((self._key, "rows", b), len(blob), partial(self._drop_block, b))
+        at = {b: i for i, b in enumerate(wanted)}
+        table = pa.Table.from_batches([have[b] for b in wanted], schema=self._schema)
+        firsts = np.cumsum([0] + [have[b].num_rows for b in wanted])
+        picked = [int(firsts[at[int(r) // ROW_BLOCK]]) + int(r) % ROW_BLOCK for r in rows]
+        return table.take(pa.array(picked, pa.int64()))
+
+    def _drop_block(self, block: int) -> None:
+        with self._lock:
+            self._blocks.pop(block, None)
+
+    def id_map(self, size: int, sha256: str, moved: Fetched | None = None) -> pa.Table:
+        """The whole id map (a filter that needs every row's metadata), in one read checked
+        against the file's sha256 in the manifest."""
+        assert self._fetch_rows is not None
+
+        def ok(_: int, blob: bytes) -> bool:
+            return len(blob) == size and hashlib.sha256(blob).hexdigest() == sha256
+
+        (blob,) = self._read(self._fetch_rows, [(0, size)], ok, moved)
+        if blob is None:
+            raise ListIntegrityError("the id map does not match its sha256 in the manifest; refusing to use it.")
+        return decode_id_map(blob, True)
 
     def vectors(self, rows: np.ndarray, digests: np.ndarray, moved: Fetched | None = None) -> np.ndarray:
         """The float32 vectors of rows, fetched by range, each checked against its digest."""
@@ -445,7 +657,7 @@ class ResidentLists:
             out[i] = np.frombuffer(blob, np.float32)
         return out
 
-    def digests_of(self, rows: np.ndarray, lists: dict[int, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    def digests_of(self, rows: np.ndarray, lists: Mapping[int, ListData]) -> np.ndarray:
         """The digests of rows whose lists are in ``lists`` (fetched meanwhile if not)."""
         list_nos = self.table.list_of(rows)
         need = [int(n) for n in np.unique(list_nos) if int(n) not in lists]
@@ -477,7 +689,7 @@ def search_lists(
     trained: np.ndarray,
     queries: np.ndarray,
     assign: np.ndarray,
-    lists: dict[int, tuple[np.ndarray, np.ndarray]],
+    lists: Mapping[int, ListData],
     firsts: dict[int, int],
     k: int,
     params: Any,

@@ -5,6 +5,8 @@ Layout under the index URI::
     builds/<build-id>/centroids.npy           written first
     builds/<build-id>/shard-00000.faiss       IVF lists [a, b) of the coarse quantizer
     builds/<build-id>/shard-00000.ids.parquet faiss id → chunk version and lineage
+                                              (a compressed shard: ``.lists``, ``.vectors``,
+                                              ``.rows``, ``.table.npz``; see ``indexing.lists``)
     versions/00000007.json                    the manifest: written last, if absent
     LATEST                                    "7": a hint, advanced after the manifest
 
@@ -52,7 +54,10 @@ RANGED_FORMAT_VERSION = 2
 #: shards shared with earlier builds, with per-version dead rows and delta shards: a reader
 #: that ignored the dead rows would serve deleted and superseded chunks, so older ones refuse it
 INCREMENTAL_FORMAT_VERSION = 3
-KNOWN_FORMATS = (FORMAT_VERSION, RANGED_FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION)
+#: compressed shards whose id map is row blocks read by range (``.rows``) and whose list
+#: blocks carry the filter columns: an older reader would parse the id map as parquet
+ROW_BLOCKS_FORMAT_VERSION = 4
+KNOWN_FORMATS = (FORMAT_VERSION, RANGED_FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION, ROW_BLOCKS_FORMAT_VERSION)
 _VERSION_KEY = re.compile(r"^versions/(\d{8})\.json$")
 
 
@@ -89,6 +94,9 @@ class ShardRef:
     dead_count: int = 0
     #: written by an incremental build: rows of chunks changed since the base build, any lists
     delta: bool = False
+    #: ``ids`` is a ``.rows`` file of row blocks read by range (``indexing.lists``), not a
+    #: parquet id map fetched whole
+    id_blocks: bool = False
 
     @property
     def live(self) -> int:
@@ -107,11 +115,12 @@ class ShardRef:
         ]
 
     def opened(self) -> list[FileRef]:
-        """The files that opening the shard fetches whole: a ranged shard's list table, id map
-        and codec (its lists come later, by range), else the index and the id map."""
+        """The files that opening the shard fetches whole: a ranged shard's list table, codec
+        and (unless it is row blocks, read by range) id map, else the index and the id map.
+        Its lists come later, by range."""
         if self.ranged:
             assert self.table is not None and self.codec is not None
-            return [self.table, self.ids, self.codec]
+            return [self.table, self.codec] if self.id_blocks else [self.table, self.ids, self.codec]
         return [self.index, self.ids]
 
 
@@ -184,6 +193,7 @@ class Manifest:
                 ref(s.get("dead")),
                 s.get("dead_count", 0),
                 s.get("delta", False),
+                s.get("id_blocks", False),
             )
             for s in obj["shards"]
         ]

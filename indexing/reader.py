@@ -18,10 +18,11 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any, Protocol
 from zoneinfo import ZoneInfo
 
@@ -33,6 +34,7 @@ import pyarrow.parquet as pq
 from indexing.lists import (
     ByteBudget,
     Fetched,
+    ListData,
     ListTable,
     RangeRead,
     ResidentLists,
@@ -50,18 +52,40 @@ log = logging.getLogger(__name__)
 @dataclass
 class LoadedShard:
     index: Any  # faiss.IndexIVFFlat (None for a ranged shard: see ``lists``)
-    ids: pa.Table
+    #: the id map (None until first needed, for a shard whose id map is row blocks read by range)
+    id_map: pa.Table | None
     #: memoized per-shard data derived from ``ids`` (filter masks), owned by callers
     derived: dict[Any, Any] = field(default_factory=dict)
     #: a compressed shard's lists, fetched by range as queries probe them
     lists: ResidentLists | None = None
+    #: fetches the whole id map of a row-block shard (a metadata filter reads every row's)
+    load_ids: Callable[[], pa.Table] | None = None
+    _ids_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def ids(self) -> pa.Table:
+        """The whole id map. A row-block shard's queries read only their lists' filter
+        columns and their results' row blocks; this fetches all of it, once."""
+        if self.id_map is None:
+            assert self.load_ids is not None
+            with self._ids_lock:
+                if self.id_map is None:
+                    self.id_map = self.load_ids()
+        return self.id_map
+
+    @property
+    def row_blocks(self) -> bool:
+        """Lineage and filter columns come by range (a compressed shard of format 4)."""
+        return self.lists is not None and self.lists.table.columns
 
     @property
     def nbytes(self) -> int:
-        """Memory held for the shard itself (a ranged shard's lists are counted as they arrive)."""
+        """Memory held for the shard itself (a ranged shard's lists and row blocks are
+        counted as they arrive; a row-block shard's whole id map, if it is ever needed, too)."""
+        ids = int(self.id_map.nbytes) if self.id_map is not None and self.load_ids is None else 0
         if self.lists is not None:
-            return self.lists.table.nbytes + int(self.ids.nbytes)
-        return int(self.index.ntotal) * int(self.index.code_size) + int(self.ids.nbytes)
+            return self.lists.table.nbytes + ids
+        return int(self.index.ntotal) * int(self.index.code_size) + ids
 
 
 def stored_vector(shard: LoadedShard, faiss_id: int) -> np.ndarray:
@@ -101,7 +125,7 @@ def open_shard(
 ) -> LoadedShard:
     """A shard from the verified bytes of ``ref.opened()``, in that order."""
     if ref.ranged:
-        table, ids, codec = blobs
+        table, ids, codec = (blobs[0], None, blobs[1]) if ref.id_blocks else blobs
         return open_ranged_shard(store, ref, table, ids, codec, budget, disk)
     index, ids = blobs
     return decode_shard(index, ids)
@@ -141,12 +165,13 @@ def open_ranged_shard(
     store: ObjectStore,
     ref: ShardRef,
     table_blob: bytes,
-    ids_blob: bytes,
+    ids_blob: bytes | None,
     codec_blob: bytes,
     budget: ByteBudget | None = None,
     disk: Callable[[FileRef, RangeFetch], RangeRead] | None = None,
 ) -> LoadedShard:
-    """A compressed shard ready to search: its lists are fetched by range when probed.
+    """A compressed shard ready to search: its lists are fetched by range when probed, and
+    so are its id map's row blocks when ``ref.id_blocks`` (else ``ids_blob`` is the id map).
 
     ``disk(file, fetch)``, when given, puts a local tier in front of a file's ranged reads
     (the shard cache's ``SparseCopy`` of it)."""
@@ -160,8 +185,20 @@ def open_ranged_shard(
 
         return disk(file, fetch) if disk is not None else fetch
 
-    lists = ResidentLists(table, name, trained, ranged(ref.index), ranged(ref.vectors), budget, key=ref.index.sha256)
-    return LoadedShard(None, pq.read_table(io.BytesIO(ids_blob)), lists=lists)
+    rows = ranged(ref.ids) if ref.id_blocks else None
+    lists = ResidentLists(table, name, trained, ranged(ref.index), ranged(ref.vectors), budget, ref.index.sha256, rows)
+    if ids_blob is not None:
+        return LoadedShard(None, pq.read_table(io.BytesIO(ids_blob)), lists=lists)
+    shard = LoadedShard(None, None, lists=lists)
+
+    def whole() -> pa.Table:
+        found = lists.id_map(ref.ids.bytes, ref.ids.sha256)
+        if budget is not None:  # counted; evicted, it is fetched again when next needed
+            budget.admit((ref.index.sha256, "ids"), int(found.nbytes), partial(setattr, shard, "id_map", None))
+        return found
+
+    shard.load_ids = whole
+    return shard
 
 
 class ShardSource(Protocol):
@@ -212,6 +249,15 @@ class Hit:
 
 #: (shard number, shard) → bool mask over the shard's faiss ids, or None for "all allowed"
 Allow = Callable[[int, LoadedShard], "np.ndarray | None"]
+
+
+class ListAllow(Protocol):
+    """An ``Allow`` that can also decide a row-block shard's rows from the filter columns of
+    some of its lists (``over_lists``): a query then reads no whole id map."""
+
+    def __call__(self, s: int, shard: LoadedShard) -> np.ndarray | None: ...
+
+    def over_lists(self, s: int, shard: LoadedShard, lists: Mapping[int, ListData]) -> np.ndarray | None: ...
 
 
 def bitmap_selector(mask: np.ndarray) -> tuple[Any, np.ndarray]:
@@ -402,9 +448,18 @@ class IndexReader:
         with self._alive_lock:
             return self._alive.setdefault(s, alive)
 
-    def row_mask(self, s: int, shard: LoadedShard, allow: Allow | None) -> np.ndarray | None:
-        """Which rows of shard ``s`` a search may return: live in this version and allowed."""
-        mask = allow(s, shard) if allow is not None else None
+    def row_mask(
+        self, s: int, shard: LoadedShard, allow: Allow | None, lists: Mapping[int, ListData] | None = None
+    ) -> np.ndarray | None:
+        """Which rows of shard ``s`` a search may return: live in this version and allowed.
+        With ``lists`` (lists of a row-block shard that a query fetched), only those lists'
+        rows are decided, from their filter columns, if ``allow`` can (``ListAllow``)."""
+        over = getattr(allow, "over_lists", None)
+        mask: np.ndarray | None
+        if lists is not None and over is not None and shard.row_blocks:
+            mask = over(s, shard, lists)
+        else:
+            mask = allow(s, shard) if allow is not None else None
         alive = self.alive(s)
         if alive is not None:
             mask = alive if mask is None else mask & alive
@@ -542,7 +597,7 @@ class IndexReader:
 
         for s, shard in loaded.items():
             assert shard.lists is not None
-            mask = self.row_mask(s, shard, allow)
+            mask = self.row_mask(s, shard, allow, resident[s])
             codec = codec or (shard.lists.codec, shard.lists.trained)
             same_codec = shard.lists.codec == codec[0] and shard.lists.trained is codec[1]
             if mask is None and same_codec and taken.isdisjoint(resident[s]) and len(together) < _SHARD_IDS:
@@ -564,7 +619,7 @@ class IndexReader:
             found_s.append(np.full_like(rows, s))
         if together:
             assert codec is not None
-            merged: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            merged: dict[int, ListData] = {}
             firsts = {}
             for s in together:
                 merged.update(resident[s])
@@ -591,7 +646,7 @@ class IndexReader:
         query: np.ndarray,
         picked: list[tuple[int, int]],
         loaded: dict[int, LoadedShard],
-        resident: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]],
+        resident: dict[int, dict[int, ListData]],
         moved: Fetched | None,
     ) -> np.ndarray:
         """Squared L2 distances from the query to the candidates' stored float vectors."""
@@ -623,6 +678,13 @@ class IndexReader:
         out: list[dict[str, Any]] = [{} for _ in hits]
         for s, ats in positions.items():
             shard = self.shard(s)
+            if shard.row_blocks:  # the hits' row blocks, by range
+                assert shard.lists is not None
+                found = shard.lists.records(np.array([hits[at].faiss_id for at in ats], np.int64))
+                for at, row in zip(ats, take_rows(found, list(range(found.num_rows)), columns), strict=True):
+                    row["score"] = hits[at].score
+                    out[at] = row
+                continue
             key = ("rows", tuple(columns or ()))  # built once per shard and column set
             lookup = shard.derived.get(key)
             if lookup is None:

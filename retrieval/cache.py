@@ -4,12 +4,13 @@ Files are named by their sha256 (from the manifest), so a file is verified once 
 arrives and is never stale: a new index version has new files. Loads of the same shard
 by concurrent requests share one fetch.
 
-A compressed (ranged) shard is opened from its small files (list table, id map, codec);
-its lists arrive by range as queries probe them and share the one memory budget with the
-shards: ``memory_bytes`` bounds both, least recently used first. With a directory, its
-ranged reads (lists and the float vectors that re-rank) also go through a sparse local
-copy of each file (``indexing.sparse.SparseCopy``): a range read once is read from disk
-after that, and the disk bound covers those copies too (by allocated bytes).
+A compressed (ranged) shard is opened from its small files (list table and codec; an
+index of the older layout: its id map too); its lists and its id map's row blocks arrive by
+range as queries need them and share the one memory budget with the shards:
+``memory_bytes`` bounds all of them, least recently used first. With a directory, its
+ranged reads (lists, the float vectors that re-rank, row blocks) also go through a sparse
+local copy of each file (``indexing.sparse.SparseCopy``): a range read once is read from
+disk after that, and the disk bound covers those copies too (by allocated bytes).
 """
 
 from __future__ import annotations

@@ -9,42 +9,77 @@ memoised on the shard (bounded), keyed by exactly what determines them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from indexing.lists import ListData, key_hashes
 from indexing.reader import LoadedShard
 from retrieval.acl import acl_mask
 from retrieval.filters import MetadataFilter
 from retrieval.tail import INF_VERSION, TailState
 
 
-def shard_filter(
-    tail: TailState, groups: frozenset[str], where: MetadataFilter | None = None
-) -> Callable[[int, LoadedShard], np.ndarray | None]:
-    """The allow-mask function a reader applies to each shard it scans (None = all allowed)."""
-    filter_key = ("metadata", where.key) if where is not None else None  # once per query, not per shard
-    stale_any = tail.supersedes_any
+class ShardFilter:
+    """The allow-mask a reader applies to each shard it scans (None = all allowed): over a
+    shard's whole id map (``__call__``), or over some lists of a row-block shard from their
+    filter columns (``over_lists``: no id map is read, unless a metadata filter needs it)."""
 
-    def matching(shard: LoadedShard) -> np.ndarray:
-        assert where is not None
+    def __init__(self, tail: TailState, groups: frozenset[str], where: MetadataFilter | None = None) -> None:
+        self.tail = tail
+        self.groups = groups
+        self.where = where
+        self.filter_key = ("metadata", where.key) if where is not None else None  # once per query, not per shard
+        self.stale_any = tail.supersedes_any
+
+    def _matching(self, shard: LoadedShard) -> np.ndarray:
+        assert self.where is not None
         ids = shard.ids  # an index built before metadata existed has no such column: nothing matches
-        return where.mask(ids.column("metadata") if "metadata" in ids.column_names else None, ids.num_rows)
+        return self.where.mask(ids.column("metadata") if "metadata" in ids.column_names else None, ids.num_rows)
 
-    def allow(_: int, shard: LoadedShard) -> np.ndarray | None:
+    def __call__(self, _: int, shard: LoadedShard) -> np.ndarray | None:
+        groups = self.groups
         visible = _memo(shard, ("acl", groups), lambda: _restricting(acl_mask(shard.ids.column("acl"), groups)))
         mask = visible if visible.size else None
-        if filter_key is not None:
-            matches = _memo(shard, filter_key, lambda: matching(shard))
+        if self.filter_key is not None:
+            matches = _memo(shard, self.filter_key, lambda: self._matching(shard))
             mask = matches if mask is None else mask & matches
-        if stale_any:
-            stale = _stale(shard, tail)
+        if self.stale_any:
+            stale = _stale(shard, self.tail)
             if stale is not None:
                 mask = ~stale if mask is None else mask & ~stale
         return mask
 
-    return allow
+    def over_lists(self, _: int, shard: LoadedShard, lists: Mapping[int, ListData]) -> np.ndarray | None:
+        """The mask for the rows of ``lists`` (lists of a row-block shard a query fetched,
+        with their filter columns); rows of other lists are left out (the scan reads only
+        these lists)."""
+        resident = shard.lists
+        assert resident is not None
+        groups = self.groups
+        admitted = _memo(shard, ("acl-numbers", groups), lambda: acl_mask(resident.acls(), groups))
+        restricted = not admitted.all()
+        stale_keys = _superseded(self.tail) if self.stale_any else None
+        mask = None
+        if restricted or stale_keys is not None:
+            rows, acl, keys = resident.columns_of(lists)
+            ok = admitted[acl] if restricted else np.ones(len(rows), bool)
+            if stale_keys is not None:
+                ok &= ~stale_keys.stale(keys, self.tail.version)
+            if not ok.all():
+                mask = np.zeros(resident.table.firsts[-1] + resident.table.counts[-1], bool)
+                mask[rows] = ok
+        if self.filter_key is not None:
+            matches = _memo(shard, self.filter_key, lambda: self._matching(shard))
+            mask = matches if mask is None else mask & matches
+        return mask
+
+
+def shard_filter(tail: TailState, groups: frozenset[str], where: MetadataFilter | None = None) -> ShardFilter:
+    """The allow-mask a reader applies to each shard it scans (None = all allowed)."""
+    return ShardFilter(tail, groups, where)
 
 
 #: a memoised ACL mask that restricts nothing (checking a whole mask per query cost more
@@ -101,6 +136,50 @@ class _Staleness:
                 while len(self.masks) > 4:  # the live tail's few newest versions, and an as_of or two
                     del self.masks[next(iter(self.masks))]
             return self.masks[tail.version]
+
+
+class _SupersededKeys:
+    """The chunk-id hashes (``indexing.lists.key_hashes``) of the chunks a tail log holds
+    newer versions of, each with the first lake version after the base that wrote one: a
+    row-block shard's rows are stale at version V where their hash maps to a version <= V.
+    One per tail log (its snapshots, live or ``as_of``, share it), extended commit by commit."""
+
+    def __init__(self, base: int) -> None:
+        self.keys = np.zeros(0, np.int64)
+        self.since = np.zeros(0, np.int64)
+        self.applied = base
+        self.lock = threading.Lock()
+
+    def update(self, tail: TailState) -> _SupersededKeys | None:
+        with self.lock:
+            if tail.version > self.applied:
+                new = tail.superseding(self.applied)
+                if new:
+                    keys = np.concatenate([self.keys, *(key_hashes(ids) for _, ids in new)])
+                    since = np.concatenate([self.since, *(np.full(len(ids), v, np.int64) for v, ids in new)])
+                    order = np.lexsort((since, keys))  # a hash's first entry is its earliest version
+                    self.keys, self.since = keys[order], since[order]
+                self.applied = tail.version
+        return self if len(self.keys) else None
+
+    def stale(self, keys: np.ndarray, version: int) -> np.ndarray:
+        """Which of the hashes are stale at ``version``."""
+        held, since = self.keys, self.since  # replaced whole by update, never changed in place
+        at = np.minimum(np.searchsorted(held, keys), len(held) - 1)
+        stale: np.ndarray = (held[at] == keys) & (since[at] <= version)
+        return stale
+
+
+_SUPERSEDED: weakref.WeakKeyDictionary[Any, _SupersededKeys] = weakref.WeakKeyDictionary()
+
+
+def _superseded(tail: TailState) -> _SupersededKeys | None:
+    """The tail's superseded chunk-id hashes up to its version (None: none)."""
+    with _MEMO_LOCK:
+        found = _SUPERSEDED.get(tail.log)
+        if found is None:
+            found = _SUPERSEDED[tail.log] = _SupersededKeys(tail.base_version)
+    return found.update(tail)
 
 
 def _stale(shard: LoadedShard, tail: TailState) -> np.ndarray | None:

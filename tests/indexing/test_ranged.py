@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from indexing.ivf import BuildOptions, build_index
-from indexing.lists import ByteBudget, Fetched, ListIntegrityError
+from indexing.lists import ROW_BLOCK, ByteBudget, Fetched, ListIntegrityError
 from indexing.manifest import ManifestError, ShardRef, load_manifest, publish
-from indexing.reader import IndexReader, LoadedShard, load_shard
+from indexing.reader import IndexReader, LoadedShard, load_shard, take_rows
 from indexing.snapshot import plan
 from indexing.store import LocalStore, ObjectStore
 from pipelines.storage import ObjectStoreSettings
@@ -67,10 +67,11 @@ def found_ids(reader: IndexReader, hits) -> list[list[int]]:  # type: ignore[no-
 def test_manifest_records_the_codec_and_old_readers_refuse_it_cleanly(indexes) -> None:  # type: ignore[no-untyped-def]
     flat, sq8, _ = indexes
     m = load_manifest(LocalStore(str(sq8)))
-    assert m.codec == "sq8" and m.format_version == 2
-    assert all(s.ranged and s.table and s.vectors and s.codec for s in m.shards)
+    assert m.codec == "sq8" and m.format_version == 4
+    assert all(s.ranged and s.table and s.vectors and s.codec and s.id_blocks for s in m.shards)
+    assert all(s.ids.key.endswith(".rows") for s in m.shards)
     assert load_manifest(LocalStore(str(flat))).format_version == 1  # float indexes stay readable by older readers
-    raw = (sq8 / "versions" / "00000001.json").read_bytes().replace(b'"format_version": 2', b'"format_version": 9')
+    raw = (sq8 / "versions" / "00000001.json").read_bytes().replace(b'"format_version": 4', b'"format_version": 9')
     with pytest.raises(ManifestError, match="upgrade streamrag"):
         type(m).from_json(raw)
 
@@ -104,7 +105,7 @@ def test_product_quantized_lists_hold_m_bytes_a_vector_and_rerank_to_the_float_r
     store = LocalStore(str(tmp_path / "pq"))
     manifest = build_index(plan(lake), store.root, ObjectStoreSettings(), dataclasses.replace(OPTS, codec="pq8"))
     publish(store, manifest)
-    assert manifest.codec == "pq8" and manifest.format_version == 2
+    assert manifest.codec == "pq8" and manifest.format_version == 4
     rng = np.random.default_rng(3)
     queries = (x[rng.choice(len(x), 100, replace=False)] + rng.normal(0, 0.05, (100, x.shape[1]))).astype(np.float32)
     want = truth(x, queries)
@@ -120,7 +121,8 @@ def test_product_quantized_lists_hold_m_bytes_a_vector_and_rerank_to_the_float_r
     reader.search(queries, 10, nprobe=64)  # every list resident
     rows = sum(s.count for s in manifest.shards)
     held = sum(reader.shard(i).lists.resident_bytes for i in range(len(manifest.shards)))  # type: ignore[union-attr]
-    assert held == rows * (8 + 8)  # codes + the digest that checks each re-ranked vector
+    # codes, the digest that checks each re-ranked vector, and the filter columns (ACL number, chunk-id hash)
+    assert held == rows * (8 + 8 + 4 + 8)
     hits = reader.search(queries[:1], 10, nprobe=8)[0]
     assert np.allclose(np.square(reader.vectors(hits) - queries[0]).sum(axis=1), [h.distance for h in hits], atol=1e-4)
 
@@ -206,8 +208,18 @@ def test_a_query_fetches_only_the_lists_it_probes(indexes, monkeypatch: pytest.M
         assert sorted((s, n) for k, s, n in store.ranged if k == key) == coalesce(ranges)
     assert moved.bytes == sum(n for _, _, n in store.ranged)
     before = len(store.ranged)
-    reader.search(query, 10, nprobe=4)
+    hits = reader.search(query, 10, nprobe=4)[0]
     assert all(k.endswith(".vectors") for k, _, _ in store.ranged[before:]), "probed lists are resident now"
+    # The results' lineage: only their row blocks, by range; no id map is read whole.
+    asked.clear()
+    rows = reader.rows(hits)
+    blocks = {(h.shard, h.faiss_id // ROW_BLOCK) for h in hits}
+    row_asks = [n for key, r in asked.items() if key.endswith(".rows") for _, n in r]
+    assert len(row_asks) == len(blocks) and list(asked) == [k for k in asked if k.endswith(".rows")]
+    assert not any(k.endswith((".rows", ".parquet")) for k in store.whole), store.whole
+    assert sum(row_asks) < sum(s.ids.bytes for s in reader.manifest.shards) / 4
+    whole = [take_rows(reader.shard(h.shard).ids, [h.faiss_id])[0] | {"score": h.score} for h in hits]
+    assert rows == whole  # the same rows, values and types as the whole id map gives
 
 
 def test_a_corrupted_list_or_vector_is_refused(indexes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -240,6 +252,26 @@ def test_a_corrupted_list_or_vector_is_refused(indexes, tmp_path: Path) -> None:
     (copy2 / vectors_key).write_bytes(flipped.tobytes())
     with pytest.raises(ListIntegrityError, match="digest"):
         IndexReader(LocalStore(str(copy2))).search(x[:1], 10, nprobe=4)
+    # Row blocks: flip a byte in the best hit's row block; its lineage is refused, and so is
+    # the whole id map a metadata filter would read.
+    copy3 = tmp_path / "copy3"
+    shutil.copytree(sq8, copy3)
+    rows_ref = m.shards[best.shard].ids
+    table = load_shard(LocalStore(str(sq8)), m.shards[best.shard]).lists.table  # type: ignore[union-attr]
+    block = best.faiss_id // ROW_BLOCK
+    start, end = int(table.row_offsets[block]), int(table.row_offsets[block + 1])
+    data = bytearray((sq8 / rows_ref.key).read_bytes())
+    data[(start + end) // 2] ^= 0xFF
+    (copy3 / rows_ref.key).write_bytes(bytes(data))
+    corrupt = IndexReader(LocalStore(str(copy3)))
+    hits = corrupt.search(x[:1], 10, nprobe=4)[0]  # the search itself reads no row block
+    with pytest.raises(ListIntegrityError, match="row block"):
+        corrupt.rows(hits)
+    with pytest.raises(ListIntegrityError, match="id map"):
+        _ = corrupt.shard(best.shard).ids
+    (copy3 / rows_ref.key).write_bytes(bytes(data[: len(data) // 2]))  # truncated
+    with pytest.raises(ListIntegrityError, match=r"row block|id map"):
+        IndexReader(LocalStore(str(copy3))).rows(hits)
 
 
 def test_a_tenth_of_the_index_in_memory_answers_exactly_as_all_of_it(indexes) -> None:  # type: ignore[no-untyped-def]
@@ -360,3 +392,27 @@ def test_concurrent_queries_fetch_a_list_once(indexes) -> None:  # type: ignore[
     assert len(results) == 8 and all(r == results[0] for r in results)
     list_reads = [(k, s) for k, s, _ in store.ranged if k.endswith(".lists")]
     assert len(list_reads) == len(set(list_reads)), "a list being fetched is waited for, not fetched again"
+
+
+def test_an_index_of_the_older_layout_answers_as_the_row_block_one(  # type: ignore[no-untyped-def]
+    indexes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compressed indexes built before row blocks (format 2: a parquet id map fetched whole,
+    list blocks without filter columns) keep working, with the same answers and lineage."""
+    import indexing.ivf as ivf_mod
+    from indexing.lists import encode_lists
+
+    _, sq8, x = indexes
+    lake_path = tmp_path / "lake"
+    lake = synthetic_lake(str(lake_path), n=6000, dim=32)[0]
+    monkeypatch.setattr(ivf_mod, "encode_lists", lambda *args: encode_lists(*args[:6]))  # no id map: no row blocks
+    store = LocalStore(str(tmp_path / "old"))
+    manifest = build_index(plan(lake), store.root, ObjectStoreSettings(), dataclasses.replace(OPTS, codec="sq8"))
+    publish(store, manifest)
+    assert manifest.format_version == 2 and not any(s.id_blocks for s in manifest.shards)
+    assert all(s.ids.key.endswith(".ids.parquet") for s in manifest.shards)
+    old, new = IndexReader(store), IndexReader(LocalStore(str(sq8)))
+    assert not old.shard(0).row_blocks and old.shard(0).lists.table.row_bytes == 32 + 8  # type: ignore[union-attr]
+    queries = x[:20] + 0.01
+    for got, want in zip(old.search(queries, 10, nprobe=8), new.search(queries, 10, nprobe=8), strict=True):
+        assert [r["chunk_id"] for r in old.rows(got)] == [r["chunk_id"] for r in new.rows(want)]
