@@ -160,10 +160,12 @@ def load_codec(raw: bytes, sha256: str | None = None) -> tuple[str, np.ndarray]:
         trained = z["trained"]
     trained.setflags(write=False)
     with _LOADED_LOCK:
-        _LOADED_CODECS[digest] = (name, trained)
+        # Shards opened side by side parse the file at once: all get the first one's
+        # parameters, so that a reader sees one codec (it scans shards together by identity).
+        found = _LOADED_CODECS.setdefault(digest, (name, trained))
         while len(_LOADED_CODECS) > 8:
             _LOADED_CODECS.popitem(last=False)
-    return name, trained
+    return found
 
 
 def row_digests(vectors: np.ndarray) -> np.ndarray:

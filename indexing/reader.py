@@ -599,7 +599,9 @@ class IndexReader:
             assert shard.lists is not None
             mask = self.row_mask(s, shard, allow, resident[s])
             codec = codec or (shard.lists.codec, shard.lists.trained)
-            same_codec = shard.lists.codec == codec[0] and shard.lists.trained is codec[1]
+            same_codec = shard.lists.codec == codec[0] and (
+                shard.lists.trained is codec[1] or np.array_equal(shard.lists.trained, codec[1])
+            )  # the same object unless the codec memo dropped it between two shards' opens
             if mask is None and same_codec and taken.isdisjoint(resident[s]) and len(together) < _SHARD_IDS:
                 together.append(s)
                 taken.update(resident[s])

@@ -416,3 +416,30 @@ def test_an_index_of_the_older_layout_answers_as_the_row_block_one(  # type: ign
     queries = x[:20] + 0.01
     for got, want in zip(old.search(queries, 10, nprobe=8), new.search(queries, 10, nprobe=8), strict=True):
         assert [r["chunk_id"] for r in old.rows(got)] == [r["chunk_id"] for r in new.rows(want)]
+
+
+def test_shards_opened_side_by_side_share_one_codec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every shard of a build names one codec file; shards opened at once parse it at once.
+    They must all get the same parameters object: the reader scans the unfiltered shards of
+    one codec together, and a cold replica whose shards each kept their own copy scanned
+    them one by one (23 calls instead of 1 at 1M vectors, measured)."""
+    import indexing.lists as lists_mod
+
+    raw = lists_mod.save_codec("sq8", np.arange(64, dtype=np.float32))
+    threads = 4
+    inside = threading.Barrier(threads, timeout=10)
+    real_check = lists_mod.check_codec
+
+    def parse_together(codec: str, dim: int | None = None) -> None:
+        inside.wait()  # every thread is past the memo lookup and parsing
+        real_check(codec, dim)
+
+    monkeypatch.setattr(lists_mod, "check_codec", parse_together)
+    monkeypatch.setattr(lists_mod, "_LOADED_CODECS", type(lists_mod._LOADED_CODECS)())
+    got: list[tuple[str, np.ndarray]] = []
+    workers = [threading.Thread(target=lambda: got.append(lists_mod.load_codec(raw, "digest"))) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(got) == threads and len({id(trained) for _, trained in got}) == 1
