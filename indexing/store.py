@@ -152,6 +152,11 @@ class LocalStore(ObjectStore):
             raise StoreUnavailable(f"cannot delete {self.uri(key)}: {exc}") from exc
 
 
+#: HTTP connections an S3 store keeps open: one per thread of the reader's ranged-read pool
+#: (``indexing.reader.RANGE_THREADS``)
+MAX_CONNECTIONS = 64
+
+
 class S3Store(ObjectStore):
     """An S3 (or S3-compatible) prefix via boto3; put-if-absent uses ``If-None-Match: *``.
 
@@ -178,7 +183,14 @@ class S3Store(ObjectStore):
             aws_secret_access_key=settings.secret_access_key,
             aws_session_token=settings.session_token,
             region_name=settings.region or "us-east-1",
-            config=Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5, read_timeout=30),
+            # connections: one per thread that issues ranged reads (botocore's default is 10; past
+            # it, requests open and drop a connection each)
+            config=Config(
+                retries={"max_attempts": 5, "mode": "standard"},
+                connect_timeout=5,
+                read_timeout=30,
+                max_pool_connections=MAX_CONNECTIONS,
+            ),
         )
 
     def _key(self, key: str) -> str:
