@@ -32,6 +32,7 @@ from typing import Any
 
 import faiss
 import numpy as np
+import pyarrow as pa
 
 from benchmarks.index import emit
 from benchmarks.pydocs import embedded_pydocs
@@ -100,13 +101,16 @@ def ms(seconds: list[float]) -> dict[str, float]:
 
 
 def pydocs(work: Path, queries: int) -> tuple[Lake, np.ndarray, np.ndarray, list[str], str]:
-    """The docs as a lake of real embedded chunks; real queries (section titles) embedded by the model."""
+    """The docs as a lake of real embedded chunks with their real text (what id maps and row
+    blocks hold); real queries (section titles) embedded by the model."""
     corpus = embedded_pydocs()
     lake = Lake.at(str(work / "lake"))
     lake.ensure_tables(1)
     writer = LakeWriter(lake, CHUNKS, "bench", None)
     for part in np.array_split(np.arange(len(corpus.texts)), 8):
-        writer.write(chunk_rows(corpus.vectors[part], start=int(part[0]), model=corpus.model))
+        rows = chunk_rows(corpus.vectors[part], start=int(part[0]), model=corpus.model)
+        text = pa.array([str(corpus.texts[i]) for i in part], rows.schema.field("text").type)
+        writer.write(rows.set_column(rows.schema.get_field_index("text"), rows.schema.field("text"), text))
     titles = sorted({t for d in load_pydocs() for t in section_titles(d.body)})
     rng = np.random.default_rng(2)
     picked = [titles[i] for i in rng.choice(len(titles), queries, replace=False)]

@@ -685,15 +685,26 @@ class IndexReader:
         for at, hit in enumerate(hits):
             positions.setdefault(hit.shard, []).append(at)
         out: list[dict[str, Any]] = [{} for _ in hits]
+        loaded = self.shards(positions)
+        blocked = [s for s in positions if loaded[s].row_blocks]
+
+        def records(s: int) -> pa.Table:
+            """The hits' rows of a row-block shard: their blocks, fetched by range."""
+            lists = loaded[s].lists
+            assert lists is not None
+            return lists.records(np.array([hits[at].faiss_id for at in positions[s]], np.int64))
+
+        # a cold replica's results come from several shards: their blocks are fetched side by side
+        fetched = list(shard_pool().map(records, blocked)) if len(blocked) > 1 else [records(s) for s in blocked]
+        for s, found in zip(blocked, fetched, strict=True):
+            ats = positions[s]
+            for at, row in zip(ats, take_rows(found, list(range(found.num_rows)), columns), strict=True):
+                row["score"] = hits[at].score
+                out[at] = row
         for s, ats in positions.items():
-            shard = self.shard(s)
-            if shard.row_blocks:  # the hits' row blocks, by range
-                assert shard.lists is not None
-                found = shard.lists.records(np.array([hits[at].faiss_id for at in ats], np.int64))
-                for at, row in zip(ats, take_rows(found, list(range(found.num_rows)), columns), strict=True):
-                    row["score"] = hits[at].score
-                    out[at] = row
+            if loaded[s].row_blocks:
                 continue
+            shard = loaded[s]
             key = ("rows", tuple(columns or ()))  # built once per shard and column set
             lookup = shard.derived.get(key)
             if lookup is None:

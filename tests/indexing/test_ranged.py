@@ -443,3 +443,26 @@ def test_shards_opened_side_by_side_share_one_codec(monkeypatch: pytest.MonkeyPa
     for w in workers:
         w.join()
     assert len(got) == threads and len({id(trained) for _, trained in got}) == 1
+
+
+def test_results_from_several_shards_fetch_their_row_blocks_side_by_side(indexes) -> None:  # type: ignore[no-untyped-def]
+    """A cold replica's 10 results usually lie in as many shards: their row blocks are
+    fetched at once (one round trip to S3), not one shard after another."""
+    from indexing.reader import Hit
+
+    _, sq8, _ = indexes
+
+    class Meeting(LocalStore):
+        barrier = threading.Barrier(3, timeout=10)
+
+        def get_range(self, key: str, start: int, length: int) -> bytes:
+            if key.endswith(".rows"):
+                self.barrier.wait()  # BrokenBarrierError when the shards' reads come one by one
+            return super().get_range(key, start, length)
+
+    reader = IndexReader(Meeting(str(sq8)))
+    assert len(reader.manifest.shards) >= 3
+    hits = [Hit(s, 1, 0.5) for s in range(3)]
+    rows = reader.rows(hits)
+    plain = IndexReader(LocalStore(str(sq8)))
+    assert rows == [take_rows(plain.shard(h.shard).ids, [h.faiss_id])[0] | {"score": h.score} for h in hits]
