@@ -49,6 +49,7 @@ from benchmarks.retrieval import VectorsOnly
 from indexing.ivf import BuildOptions, build_index, choose_nlist
 from indexing.lists import pq_size
 from indexing.manifest import default_nprobe, load_manifest, publish
+from indexing.reader import IndexReader
 from indexing.snapshot import plan
 from indexing.store import LocalStore
 from pipelines.lake import CHUNKS, Lake
@@ -95,6 +96,55 @@ def write_vectors(n: int, nlist: int, work: Path, n_queries: int) -> tuple[Lake,
         order = np.argsort(d_all, axis=1, kind="stable")[:, :10]
         best_d, best_i = np.take_along_axis(d_all, order, 1), np.take_along_axis(i_all, order, 1)
     return lake, path, queries, best_i
+
+
+def engine_overhead(index: Path, queries: np.ndarray, nprobes: list[int]) -> dict[str, object]:
+    """Our reader's scan (no re-ranking, every list in memory) against one faiss ``IndexIVFPQ``
+    holding the same codes under the same centroids, one query at a time, per nprobe: the
+    engine's fixed cost per query, and whether both find the same rows."""
+    reader = IndexReader(LocalStore(str(index)))
+    m = reader.manifest
+    shards = reader.shards(range(len(m.shards)))
+    first = next(iter(shards.values())).lists
+    assert first is not None and pq_size(first.codec) is not None, "a pqM index"
+    pq_m = pq_size(first.codec)
+    flat = faiss.IndexFlatL2(m.dim)
+    flat.add(reader.centroids)
+    base = faiss.IndexIVFPQ(flat, m.dim, m.nlist, pq_m, 8)
+    base.by_residual = False
+    faiss.copy_array_to_vector(np.ascontiguousarray(first.trained, np.float32), base.pq.centroids)
+    base.is_trained = True
+    invlists = base.invlists
+    for s, shard in shards.items():
+        assert shard.lists is not None
+        table = shard.lists.table
+        held = shard.lists.lists(list(range(table.list_start, table.list_start + len(table.counts))))
+        for list_no, data in held.items():
+            first_row = int(table.firsts[list_no - table.list_start])
+            ids = (np.arange(len(data.codes), dtype=np.int64) + first_row) | (s << 32)
+            invlists.add_entries(
+                list_no, len(ids), faiss.swig_ptr(ids), faiss.swig_ptr(np.ascontiguousarray(data.codes))
+            )
+    base.ntotal = m.count
+    out: dict[str, object] = {}
+    for nprobe in nprobes:
+        params = faiss.SearchParametersIVF(nprobe=nprobe)
+        for q in queries[:20]:  # warm both
+            reader.search(q[None], 10, nprobe, rerank=1)
+            base.search(q[None], 10, params=params)
+        ours, theirs, same = [], [], 0
+        for q in queries:
+            t = time.perf_counter()
+            hits = reader.search(q[None], 10, nprobe, rerank=1)[0]
+            ours.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            _, labels = base.search(q[None], 10, params=params)
+            theirs.append(time.perf_counter() - t)
+            same += len({(h.shard << 32) | h.faiss_id for h in hits} & set(labels[0].tolist()))
+        out[f"nprobe_{nprobe}"] = {"ours": ms(ours), "faiss": ms(theirs),
+                                   "overhead": round(float(np.median(ours) / np.median(theirs)), 2),
+                                   "same_rows": round(same / (10 * len(queries)), 4)}  # fmt: skip
+    return out
 
 
 def serve_ours(lake: Lake, index: Path, cache_dir: Path, queries: np.ndarray, truth: np.ndarray, memory_mb: int,
@@ -165,10 +215,15 @@ def main() -> None:
     parser.add_argument("--peer-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument(
+        "--overhead",
+        action="store_true",
+        help="also time our scan against one faiss IndexIVFPQ holding the same codes (every list in memory)",
+    )
+    parser.add_argument(
         "--keep",
         type=Path,
-        help="work in this directory and keep it: a second run with the same "
-        "--n reuses its lake, queries and index (no build, no peer; for iterating on serving)",
+        help="work in this directory and keep it (no peer): a second run with the same --n reuses its lake, "
+        "queries and index, without building (for iterating on serving)",
     )
     args = parser.parse_args()
     reranks = args.rerank or [4, 16]
@@ -216,6 +271,9 @@ def main() -> None:
              no_delay={k: undelayed[k] for k in ("cold_first_query_ms", "cold_next_20")})  # fmt: skip
         for path in (work / "replica-cache", work / "replica-cache-2"):
             shutil.rmtree(path, ignore_errors=True)
+        if args.overhead:
+            emit(bench="serving_scale_overhead", n=args.n, codec=args.codec, nlist=nlist, queries=len(queries),
+                 **engine_overhead(index, queries, sorted({8, 32, nprobe})))  # fmt: skip
         if args.no_peer or args.keep is not None:
             return
         if not args.peer_python.exists():

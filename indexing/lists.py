@@ -469,6 +469,12 @@ class ResidentLists:
         with self._lock:
             return list_no in self._lists
 
+    def holds(self, wanted: list[int]) -> bool:
+        """Whether every non-empty list of ``wanted`` is in memory (a peek: no fetch, no LRU touch)."""
+        start, counts = self.table.list_start, self.table.counts
+        with self._lock:
+            return all(n in self._lists or counts[n - start] == 0 for n in wanted)
+
     def lists(self, wanted: list[int], moved: Fetched | None = None) -> dict[int, ListData]:
         """(codes, digests) of each wanted list: resident ones at once, the others fetched
         (one ranged read per run of neighbouring lists) and checked against the table. A list
@@ -642,6 +648,12 @@ class ResidentLists:
         if blob is None:
             raise ListIntegrityError("the id map does not match its sha256 in the manifest; refusing to use it.")
         return decode_id_map(blob, True)
+
+    def vectors_local(self, rows: np.ndarray) -> bool:
+        """Whether the rows' float vectors are in a local copy (a disk tier): read without waiting."""
+        holds = getattr(self._fetch_vectors, "holds", None)
+        width = self.dim * 4
+        return holds is not None and bool(holds([(int(r) * width, width) for r in rows]))
 
     def vectors(self, rows: np.ndarray, digests: np.ndarray, moved: Fetched | None = None) -> np.ndarray:
         """The float32 vectors of rows, fetched by range, each checked against its digest."""

@@ -586,8 +586,17 @@ class IndexReader:
         n = len(queries)
         pool = shard_pool()
         wanted = {s: sorted({int(x) for x in lists[held[s]]}) for s in loaded}
-        fetching = {s: pool.submit(shard.lists.lists, wanted[s], moved) for s, shard in loaded.items() if shard.lists}
-        resident = {s: f.result() for s, f in fetching.items()}
+        # a shard whose probed lists are all in memory answers at once (a thread hop costs more)
+        resident: dict[int, dict[int, ListData]] = {}
+        fetching = {}
+        for s, shard in loaded.items():
+            assert shard.lists is not None
+            if shard.lists.holds(wanted[s]):
+                resident[s] = shard.lists.lists(wanted[s], moved)
+            else:
+                fetching[s] = pool.submit(shard.lists.lists, wanted[s], moved)
+        resident.update({s: f.result() for s, f in fetching.items()})
+        resident = {s: resident[s] for s in loaded}  # the shards' order, whatever answered first
         depth = max(k, k * rerank)
         found_d, found_i, found_s = [], [], []
         # The unfiltered shards in one scan (a faiss IVF built per scan costs ~0.2 ms: per
@@ -663,18 +672,19 @@ class IndexReader:
         for at, (s, _) in enumerate(picked):
             by_shard.setdefault(s, []).append(at)
 
+        rows = {s: np.array([picked[a][1] for a in ats], np.int64) for s, ats in by_shard.items()}
+
         def fetch(s: int) -> tuple[list[int], np.ndarray]:
             lists = loaded[s].lists
             assert lists is not None
-            ats = by_shard[s]
-            rows = np.array([picked[a][1] for a in ats], np.int64)
-            return ats, lists.vectors(rows, lists.digests_of(rows, resident[s]), moved)
+            return by_shard[s], lists.vectors(rows[s], lists.digests_of(rows[s], resident[s]), moved)
 
         out = np.empty(len(picked), np.float32)
-        if len(by_shard) > 1:
-            results = list(shard_pool().map(fetch, by_shard))
-        else:
-            results = [fetch(s) for s in by_shard]
+        # vectors a disk tier holds are read here (a thread hop per shard cost more than the
+        # reads); the others, from the store, side by side
+        remote = [s for s in by_shard if not loaded[s].lists.vectors_local(rows[s])]  # type: ignore[union-attr]
+        results = list(shard_pool().map(fetch, remote)) if len(remote) > 1 else [fetch(s) for s in remote]
+        results += [fetch(s) for s in by_shard if s not in remote]
         for ats, vectors in results:
             out[ats] = np.square(vectors - query[None, :]).sum(axis=1)
         return out

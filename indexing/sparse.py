@@ -92,6 +92,17 @@ class SparseCopy:
         self._have = Intervals()
         self._broken = False  # a failing disk degrades to reading from the store
 
+    def holds(self, ranges: list[tuple[int, int]]) -> bool:
+        """Whether every range is in the local copy (a read of them would not wait on the store)."""
+        if self._broken:
+            return False
+        try:
+            self._open()  # a restarted copy learns what it holds from its log
+        except OSError:
+            return False
+        with self._lock:
+            return not self._broken and all(self._have.covers(s, s + n) for s, n in ranges)
+
     def __call__(self, ranges: list[tuple[int, int]], fresh: bool = False) -> tuple[list[bytes], int, int]:
         if self._broken:
             return self._fetch(ranges)
