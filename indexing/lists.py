@@ -28,9 +28,9 @@ a checked block. Codes encode the vectors themselves (not residuals), so a list 
 searched without its centroid, and the codec's parameters (per-dimension minimum and
 range; for PQ, each sub-space's 256 centroids) are one small file per build.
 
-Searching copies the probed lists' codes into a throwaway faiss IVF of just those lists
-(``search_lists``): the resident lists stay plain numpy arrays that a byte budget can
-drop at any time (faiss's own inverted lists cannot give memory back through Python).
+The resident lists stay plain numpy arrays that a byte budget can drop at any time
+(faiss's own inverted lists cannot give memory back through Python); a query scans them
+in place with faiss's IVF list scanner (``scan_runs``).
 """
 
 from __future__ import annotations
@@ -112,6 +112,80 @@ def quantizer(codec: str, trained: np.ndarray) -> Any:
     return sq
 
 
+class CodeRun(NamedTuple):
+    """Codes of consecutive rows ``first ..`` of one list, or (``rows`` given) of the rows
+    it names; row numbers may carry a shard in their high bits."""
+
+    codes: np.ndarray
+    first: int
+    rows: np.ndarray | None = None
+
+
+def scan_runs(
+    codec: str, trained: np.ndarray, query: np.ndarray, runs: list[CodeRun], k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The k codes of ``runs`` nearest to one query: (distances, rows), best first, -1 rows
+    (infinite distances) padding. faiss's own IVF list scanner reads each run's codes in
+    place, into one heap: the distances faiss's IVF gives for the same codes, with no index
+    built and nothing copied (a throwaway IVF of the probed lists cost a copy of every
+    list and ~6 µs a list)."""
+    index = _scan_index(codec, trained)
+    scanner = index.get_InvertedListScanner(True, None, None)  # store_pairs: (run, offset) labels
+    query = np.ascontiguousarray(query, np.float32)
+    scanner.set_query(faiss.swig_ptr(query))
+    dist = np.empty(k, np.float32)
+    at = np.empty(k, np.int64)
+    heap = faiss.float_maxheap_array_t()
+    heap.nh, heap.k, heap.ids, heap.val = 1, k, faiss.swig_ptr(at), faiss.swig_ptr(dist)
+    heap.heapify()
+    for j, run in enumerate(runs):
+        if len(run.codes):
+            scanner.set_list(j, 0.0)  # codes are not residuals: no centroid, no coarse distance
+            codes = np.ascontiguousarray(run.codes)
+            scanner.scan_codes(len(codes), faiss.swig_ptr(codes), None, heap.val, heap.ids, k)
+    heap.reorder()
+    rows = np.full(k, -1, np.int64)
+    found = np.flatnonzero(at >= 0)
+    run_of, offset = at[found] >> 32, at[found] & 0xFFFFFFFF
+    rows[found] = np.fromiter((r.first for r in runs), np.int64, len(runs))[run_of] + offset
+    for j, run, off in zip(found.tolist(), run_of.tolist(), offset.tolist(), strict=True):
+        named = runs[run].rows
+        if named is not None:
+            rows[j] = named[off]
+    dist[rows < 0] = np.inf
+    return dist, rows
+
+
+_SCAN_INDEXES: OrderedDict[int, tuple[np.ndarray, Any]] = OrderedDict()
+_SCAN_LOCK = threading.Lock()
+
+
+def _scan_index(codec: str, trained: np.ndarray) -> Any:
+    """An empty faiss IVF of the codec's codes of the vectors themselves (not residuals),
+    the source of its list scanners; kept for the last few codecs' parameter arrays (the
+    codec memo gives every shard of a build the same array; a PQ's copy is 384 KB)."""
+    with _SCAN_LOCK:
+        held = _SCAN_INDEXES.get(id(trained))
+        if held is not None and held[0] is trained:
+            return held[1]
+    dim, m = codec_dim(codec, trained), pq_size(codec)
+    quant = faiss.IndexFlatL2(dim)
+    index: Any
+    if m is not None:
+        index = faiss.IndexIVFPQ(quant, dim, 1, m, PQ_BITS, faiss.METRIC_L2)
+        index.by_residual = False
+        faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), index.pq.centroids)
+    else:
+        index = faiss.IndexIVFScalarQuantizer(quant, dim, 1, CODECS[codec], faiss.METRIC_L2, False)
+        faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), index.sq.trained)
+    index.is_trained = True
+    with _SCAN_LOCK:
+        _SCAN_INDEXES[id(trained)] = (trained, index)
+        while len(_SCAN_INDEXES) > LOADED_CODECS:
+            _SCAN_INDEXES.popitem(last=False)
+    return index
+
+
 def train_codec(codec: str, minimum: np.ndarray, maximum: np.ndarray) -> np.ndarray:
     """A scalar codec's parameters from per-dimension bounds (what faiss's min-max training computes)."""
     check_codec(codec, len(minimum))
@@ -138,6 +212,8 @@ def save_codec(codec: str, trained: np.ndarray) -> bytes:
     return sink.getvalue()
 
 
+#: builds' codecs kept parsed (and their PQ quantizers)
+LOADED_CODECS = 8
 _LOADED_CODECS: OrderedDict[str, tuple[str, np.ndarray]] = OrderedDict()
 _LOADED_LOCK = threading.Lock()
 
@@ -163,7 +239,7 @@ def load_codec(raw: bytes, sha256: str | None = None) -> tuple[str, np.ndarray]:
         # Shards opened side by side parse the file at once: all get the first one's
         # parameters, so that a reader sees one codec (it scans shards together by identity).
         found = _LOADED_CODECS.setdefault(digest, (name, trained))
-        while len(_LOADED_CODECS) > 8:
+        while len(_LOADED_CODECS) > LOADED_CODECS:
             _LOADED_CODECS.popitem(last=False)
     return found
 
@@ -679,70 +755,3 @@ class ResidentLists:
             lists = {**lists, **self.lists(need)}
         firsts = self.table.firsts[list_nos - self.table.list_start]
         return np.stack([lists[int(n)][1][int(r - f)] for n, r, f in zip(list_nos, rows, firsts, strict=True)])
-
-
-_DUMMY_QUANTIZERS: dict[int, Any] = {}
-
-
-def _list_index(codec: str, trained: np.ndarray, quant: Any, dim: int, nlist: int) -> Any:
-    """An empty faiss IVF over the codec's codes of the vectors themselves (not residuals)."""
-    m = pq_size(codec)
-    if m is not None:
-        index: Any = faiss.IndexIVFPQ(quant, dim, nlist, m, PQ_BITS, faiss.METRIC_L2)
-        index.by_residual = False
-        faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), index.pq.centroids)
-    else:
-        index = faiss.IndexIVFScalarQuantizer(quant, dim, nlist, CODECS[codec], faiss.METRIC_L2, False)
-        faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), index.sq.trained)
-    index.is_trained = True
-    return index
-
-
-def search_lists(
-    codec: str,
-    trained: np.ndarray,
-    queries: np.ndarray,
-    assign: np.ndarray,
-    lists: Mapping[int, ListData],
-    firsts: dict[int, int],
-    k: int,
-    params: Any,
-) -> tuple[np.ndarray, np.ndarray]:
-    """faiss's scan over the given lists only: (distances, rows) of the k best per query.
-
-    ``assign`` holds each query's list numbers (-1 pads); ``params`` carries the selector.
-    """
-    n = len(queries)
-    dim = queries.shape[1]
-    numbers = np.asarray(sorted(lists), np.int64)
-    if len(numbers):
-        at = np.minimum(np.searchsorted(numbers, assign), len(numbers) - 1)
-        local = np.where((assign >= 0) & (numbers[at] == assign), at, -1)
-    else:
-        local = np.full_like(assign, -1)
-    # faiss stops a query's scan at its first -1: the probed lists go first, the pads last.
-    local = np.take_along_axis(local, np.argsort(local < 0, axis=1, kind="stable"), axis=1)
-    quant = _DUMMY_QUANTIZERS.setdefault(dim, faiss.IndexFlatL2(dim))
-    # faiss clamps nprobe to nlist, and reads query i's lists at i × nprobe: with fewer lists
-    # than probes per query, every query after the first would read another's row.
-    nlist = max(1, len(numbers), local.shape[1])
-    index = _list_index(codec, trained, quant, dim, nlist)
-    invlists: Any = index.invlists
-    total = 0
-    for slot, list_no in enumerate(numbers.tolist()):
-        codes = np.ascontiguousarray(lists[list_no][0])
-        ids = np.arange(firsts[list_no], firsts[list_no] + len(codes), dtype=np.int64)
-        invlists.add_entries(slot, len(codes), faiss.swig_ptr(ids), faiss.swig_ptr(codes))
-        total += len(codes)
-    index.ntotal = total
-    local = np.ascontiguousarray(local, np.int64)
-    coarse = np.zeros(local.shape, np.float32)  # codes are not residuals: the coarse distance is not used
-    params.nprobe = max(1, local.shape[1])
-    dist = np.empty((n, k), np.float32)
-    rows = np.empty((n, k), np.int64)
-    queries = np.ascontiguousarray(queries, np.float32)
-    index.search_preassigned_c(
-        n, faiss.swig_ptr(queries), k, faiss.swig_ptr(local), faiss.swig_ptr(coarse),
-        faiss.swig_ptr(dist), faiss.swig_ptr(rows), False, params,
-    )  # fmt: skip
-    return dist, rows

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from indexing.lists import (
     ByteBudget,
+    CodeRun,
     Fetched,
     ListData,
     ListTable,
@@ -40,7 +41,7 @@ from indexing.lists import (
     ResidentLists,
     load_codec,
     pq_size,
-    search_lists,
+    scan_runs,
 )
 from indexing.manifest import FileRef, Manifest, ShardRef, get_verified, load_manifest
 from indexing.sparse import RangeFetch
@@ -598,56 +599,7 @@ class IndexReader:
         resident.update({s: f.result() for s, f in fetching.items()})
         resident = {s: resident[s] for s in loaded}  # the shards' order, whatever answered first
         depth = max(k, k * rerank)
-        found_d, found_i, found_s = [], [], []
-        # The unfiltered shards in one scan (a faiss IVF built per scan costs ~0.2 ms: per
-        # shard, a query probing 100 shards paid 20 ms); each filtered shard in its own, with
-        # its selector, and so is a delta shard whose list numbers another shard also holds.
-        together: list[int] = []
-        taken: set[int] = set()
-        codec: tuple[str, np.ndarray] | None = None
-
-        def first_rows(s: int, tag: int = 0) -> dict[int, int]:
-            """The first row of each of shard s's resident lists (plus ``tag``: its shard bits)."""
-            table = loaded[s].lists.table  # type: ignore[union-attr]
-            return {n_: tag + int(table.firsts[n_ - table.list_start]) for n_ in resident[s]}
-
-        for s, shard in loaded.items():
-            assert shard.lists is not None
-            mask = self.row_mask(s, shard, allow, resident[s])
-            codec = codec or (shard.lists.codec, shard.lists.trained)
-            same_codec = shard.lists.codec == codec[0] and (
-                shard.lists.trained is codec[1] or np.array_equal(shard.lists.trained, codec[1])
-            )  # the same object unless the codec memo dropped it between two shards' opens
-            if mask is None and same_codec and taken.isdisjoint(resident[s]) and len(together) < _SHARD_IDS:
-                together.append(s)
-                taken.update(resident[s])
-                continue
-            params = faiss.SearchParametersIVF()
-            keep: Any = None
-            if mask is not None:
-                if not mask.any():
-                    continue
-                params.sel, keep = bitmap_selector(mask)
-            assign = np.where(held[s], lists, -1)
-            dist, rows = search_lists(shard.lists.codec, shard.lists.trained, queries, assign, resident[s],
-                                      first_rows(s), depth, params)  # fmt: skip
-            del keep
-            found_d.append(dist)
-            found_i.append(rows)
-            found_s.append(np.full_like(rows, s))
-        if together:
-            assert codec is not None
-            merged: dict[int, ListData] = {}
-            firsts = {}
-            for s in together:
-                merged.update(resident[s])
-                firsts.update(first_rows(s, s << _ROW_BITS))
-            assign = np.where(np.logical_or.reduce([held[s] for s in together]), lists, -1)
-            dist, ids = search_lists(*codec, queries, assign, merged, firsts, depth,
-                                     faiss.SearchParametersIVF())  # fmt: skip
-            found_d.append(dist)
-            found_i.append(np.where(ids >= 0, ids & ((1 << _ROW_BITS) - 1), -1))
-            found_s.append(np.where(ids >= 0, ids >> _ROW_BITS, -1))
+        found_d, found_i, found_s = self._scan(queries, lists, held, loaded, resident, allow, depth)
         out: list[list[Hit]] = []
         for q, scored in enumerate(_merge(n, found_d, found_i, found_s, depth)):
             if rerank <= 1:
@@ -658,6 +610,53 @@ class IndexReader:
             order = np.argsort(exact, kind="stable")[:k]
             out.append([Hit(picked[j][0], picked[j][1], float(exact[j])) for j in order])
         return out
+
+    def _scan(
+        self,
+        queries: np.ndarray,
+        lists: np.ndarray,
+        held: dict[int, np.ndarray],
+        loaded: dict[int, LoadedShard],
+        resident: dict[int, dict[int, ListData]],
+        allow: Allow | None,
+        depth: int,
+    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+        """Each query's best ``depth`` rows of its probed lists by their codes: one scan per
+        query (and codec) over every probed shard's lists, the allowed rows' codes taken out
+        of a list a filter restricts; each row tagged with its shard in the high bits."""
+        n = len(queries)
+        codecs: dict[int, tuple[ResidentLists, list[int]]] = {}
+        masks: dict[int, np.ndarray | None] = {}
+        for s, shard in loaded.items():
+            ranged = shard.lists
+            assert ranged is not None
+            masks[s] = mask = self.row_mask(s, shard, allow, resident[s])
+            if mask is None or mask.any():
+                codecs.setdefault(id(ranged.trained), (ranged, []))[1].append(s)
+        found_d, found_i, found_s = [], [], []
+        for first, members in codecs.values():
+            dist = np.empty((n, depth), np.float32)
+            ids = np.empty((n, depth), np.int64)
+            for q in range(n):
+                runs: list[CodeRun] = []
+                for s in members:
+                    table = loaded[s].lists.table  # type: ignore[union-attr]
+                    tag, mask, mine = s << _ROW_BITS, masks[s], resident[s]
+                    for list_no in lists[q][held[s][q]].tolist():
+                        data = mine.get(list_no)
+                        if data is None:
+                            continue  # an empty list
+                        start = int(table.firsts[list_no - table.list_start])
+                        keep = None if mask is None else mask[start : start + len(data.codes)]
+                        if keep is None or keep.all():
+                            runs.append(CodeRun(data.codes, tag + start))
+                        elif keep.any():
+                            runs.append(CodeRun(data.codes[keep], 0, tag + start + np.flatnonzero(keep)))
+                dist[q], ids[q] = scan_runs(first.codec, first.trained, queries[q], runs, depth)
+            found_d.append(dist)
+            found_i.append(np.where(ids >= 0, ids & ((1 << _ROW_BITS) - 1), -1))
+            found_s.append(np.where(ids >= 0, ids >> _ROW_BITS, -1))
+        return found_d, found_i, found_s
 
     def _exact(
         self,
@@ -747,7 +746,6 @@ class IndexReader:
 
 #: a scan over several shards' lists gives each row the id shard << _ROW_BITS | row
 _ROW_BITS = 40
-_SHARD_IDS = 1 << (63 - _ROW_BITS)
 
 
 def _merge(
@@ -756,13 +754,16 @@ def _merge(
     """Each query's best k (shard, id, distance) over every shard's results (-1 ids are pads)."""
     if not found_d:
         return [[] for _ in range(n)]
-    dist_all = np.concatenate(found_d, axis=1)
-    ids_all = np.concatenate(found_i, axis=1)
-    shard_all = np.concatenate(found_s, axis=1)
-    dist_all = np.where(ids_all >= 0, dist_all, np.inf)
-    best = np.argsort(dist_all, axis=1, kind="stable")[:, :k]
-    return [[(int(shard_all[q, j]), int(ids_all[q, j]), float(dist_all[q, j])) for j in best[q] if ids_all[q, j] >= 0]
-            for q in range(n)]  # fmt: skip
+    if len(found_d) == 1:  # one scan's results: sorted already
+        dist, ids, shards = found_d[0][:, :k], found_i[0][:, :k], found_s[0][:, :k]
+    else:
+        ids = np.concatenate(found_i, axis=1)
+        dist = np.where(ids >= 0, np.concatenate(found_d, axis=1), np.inf)
+        best = np.argsort(dist, axis=1, kind="stable")[:, :k]
+        dist, ids = np.take_along_axis(dist, best, 1), np.take_along_axis(ids, best, 1)
+        shards = np.take_along_axis(np.concatenate(found_s, axis=1), best, 1)
+    return [[(s, i, d) for s, i, d in zip(s_row, i_row, d_row, strict=True) if i >= 0]
+            for s_row, i_row, d_row in zip(shards.tolist(), ids.tolist(), dist.tolist(), strict=True)]  # fmt: skip
 
 
 def take_rows(table: pa.Table, indices: list[int], columns: list[str] | None = None) -> list[dict[str, Any]]:
