@@ -205,12 +205,10 @@ def build_shard(
     ids = np.arange(len(vectors), dtype=np.int64)
     rows = rows.append_column("faiss_id", pa.array(ids)).append_column("list_no", pa.array(labels, pa.int32()))
     keys = put_file(store, f"{name}.keys.parquet", chunk_keys(rows))
-    sink = io.BytesIO()
     if codec is not None:
         lists, floats, table, row_blocks = encode_lists(vectors, labels, start, end, codec.name, codec.trained, rows)
         if row_blocks is None:  # the layout of format 2: a parquet id map, fetched whole
-            pq.write_table(rows, sink, compression="zstd")
-            ids_ref = put_file(store, f"{name}.ids.parquet", sink.getvalue())
+            ids_ref = put_file(store, f"{name}.ids.parquet", id_map_parquet(rows))
         else:
             ids_ref = put_file(store, f"{name}.rows", row_blocks)
         return ShardRef(
@@ -223,7 +221,6 @@ def build_shard(
             keys=keys,
             id_blocks=row_blocks is not None,
         )  # fmt: skip
-    pq.write_table(rows, sink, compression="zstd")
     index = faiss.IndexIVFFlat(faiss.IndexFlatL2(dim), dim, nlist, faiss.METRIC_L2)
     index.is_trained = True  # the coarse quantizer lives in the manifest's centroids
     bounds = np.searchsorted(labels, np.arange(start, end + 1))
@@ -236,8 +233,15 @@ def build_shard(
     index.ntotal = len(vectors)
     blob = faiss.serialize_index(index).tobytes()
     index_ref = put_file(store, f"{name}.faiss", blob)
-    ids_ref = put_file(store, f"{name}.ids.parquet", sink.getvalue())
+    ids_ref = put_file(store, f"{name}.ids.parquet", id_map_parquet(rows))
     return ShardRef(index_ref, ids_ref, start, end, len(vectors), keys=keys)
+
+
+def id_map_parquet(rows: pa.Table) -> bytes:
+    """A shard's whole id map as one parquet file (float shards, and compressed ones of format 2)."""
+    sink = io.BytesIO()
+    pq.write_table(rows, sink, compression="zstd")
+    return sink.getvalue()
 
 
 def format_of(shards: list[ShardRef], codec: str) -> int:

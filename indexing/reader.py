@@ -707,7 +707,7 @@ class IndexReader:
         fetched = list(shard_pool().map(records, blocked)) if len(blocked) > 1 else [records(s) for s in blocked]
         for s, found in zip(blocked, fetched, strict=True):
             ats = positions[s]
-            for at, row in zip(ats, take_rows(found, list(range(found.num_rows)), columns), strict=True):
+            for at, row in zip(ats, table_rows(found, columns), strict=True):
                 row["score"] = hits[at].score
                 out[at] = row
         for s, ats in positions.items():
@@ -772,8 +772,14 @@ def take_rows(table: pa.Table, indices: list[int], columns: list[str] | None = N
         return []
     if columns:
         table = select_present(table, columns)
-    picked = table.take(pa.array(indices, pa.int64()))
-    values = {name: python_values(picked.column(name)) for name in picked.column_names}
+    return table_rows(table.take(pa.array(indices, pa.int64())))
+
+
+def table_rows(table: pa.Table, columns: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every row of a table as dicts (optionally some columns)."""
+    if columns:
+        table = select_present(table, columns)
+    values = {name: python_values(table.column(name)) for name in table.column_names}
     return [dict(zip(values, row, strict=True)) for row in zip(*values.values(), strict=True)]
 
 

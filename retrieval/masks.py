@@ -33,6 +33,12 @@ class ShardFilter:
         self.where = where
         self.filter_key = ("metadata", where.key) if where is not None else None  # once per query, not per shard
         self.stale_any = tail.supersedes_any
+        self._keys: tuple[_SupersededKeys | None] | None = None  # the tail's, once per query
+
+    def _superseded_keys(self) -> _SupersededKeys | None:
+        if self._keys is None:
+            self._keys = (_superseded(self.tail),)
+        return self._keys[0]
 
     def _matching(self, shard: LoadedShard) -> np.ndarray:
         assert self.where is not None
@@ -61,7 +67,7 @@ class ShardFilter:
         groups = self.groups
         admitted = _memo(shard, ("acl-numbers", groups), lambda: acl_mask(resident.acls(), groups))
         restricted = not admitted.all()
-        stale_keys = _superseded(self.tail) if self.stale_any else None
+        stale_keys = self._superseded_keys() if self.stale_any else None
         mask = None
         if restricted or stale_keys is not None:
             rows, acl, keys = resident.columns_of(lists)
