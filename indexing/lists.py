@@ -451,10 +451,13 @@ class ByteBudget:
         if self._on_change is not None:
             self._on_change(held)
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, *keys: Hashable) -> None:
+        """The entries were used: they leave the eviction order's end (one lock for all)."""
         with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
+            entries = self._entries
+            for key in keys:
+                if key in entries:
+                    entries.move_to_end(key)
 
     def forget(self, key: Hashable) -> None:
         with self._lock:
@@ -566,9 +569,8 @@ class ResidentLists:
                     awaited[list_no] = self._inflight[list_no]
                 elif self.table.counts[list_no - self.table.list_start] > 0:
                     claimed[list_no] = self._inflight[list_no] = Future()
-        for list_no in found:
-            if self._budget is not None:
-                self._budget.touch((self._key, list_no))
+        if found and self._budget is not None:
+            self._budget.touch(*((self._key, list_no) for list_no in found))
         if claimed:
             try:
                 found.update(self._fetch_lists(list(claimed), moved))
@@ -681,9 +683,8 @@ class ResidentLists:
         wanted = sorted({int(r) // ROW_BLOCK for r in rows})
         with self._lock:
             have = {b: self._blocks[b] for b in wanted if b in self._blocks}
-        for b in have:
-            if self._budget is not None:
-                self._budget.touch((self._key, "rows", b))
+        if have and self._budget is not None:
+            self._budget.touch(*((self._key, "rows", b) for b in have))
         missing = [b for b in wanted if b not in have]
         if missing:
             offsets = self.table.row_offsets
@@ -750,8 +751,13 @@ class ResidentLists:
     def digests_of(self, rows: np.ndarray, lists: Mapping[int, ListData]) -> np.ndarray:
         """The digests of rows whose lists are in ``lists`` (fetched meanwhile if not)."""
         list_nos = self.table.list_of(rows)
-        need = [int(n) for n in np.unique(list_nos) if int(n) not in lists]
+        numbers = np.unique(list_nos).tolist()
+        need = [n for n in numbers if n not in lists]
         if need:
             lists = {**lists, **self.lists(need)}
-        firsts = self.table.firsts[list_nos - self.table.list_start]
-        return np.stack([lists[int(n)][1][int(r - f)] for n, r, f in zip(list_nos, rows, firsts, strict=True)])
+        offsets = rows - self.table.firsts[list_nos - self.table.list_start]
+        out = np.empty((len(rows), DIGEST_BYTES), np.uint8)
+        for n in numbers:  # a list's rows at once
+            mine = list_nos == n
+            out[mine] = lists[n].digests[offsets[mine]]
+        return out
