@@ -54,6 +54,7 @@ from indexing.manifest import (
     put_file,
     sha256,
 )
+from indexing.npy import load_array
 from indexing.snapshot import Snapshot
 from indexing.store import ObjectStore
 from pipelines.storage import ObjectStoreSettings
@@ -137,7 +138,7 @@ def build_incremental(
     live = sum(s.count - len(d) for s, d in zip(base, dead, strict=True)) + changes.count
     if live != snap.count:  # e.g. rows removed from the lake rather than superseded: do not guess
         return f"the base shards' live rows and the changed chunks make {live}; the lake has {snap.count} live chunks"
-    centroids = np.load(io.BytesIO(get_verified(store, prev.centroids))).astype(np.float32)
+    centroids = load_array(get_verified(store, prev.centroids)).astype(np.float32)
     timings = {"plan_s": time.perf_counter() - t0}
 
     build_id = new_build_id()

@@ -68,6 +68,7 @@ from indexing.manifest import (
     load_manifest,
     put_file,
 )
+from indexing.npy import load_array
 from indexing.snapshot import Partition, Snapshot, load_partition
 from indexing.store import ObjectStore, open_store
 from pipelines.storage import ObjectStoreSettings
@@ -349,7 +350,7 @@ def _centroids(
             if prev.model != snap.model:
                 stats["retrained_reason"] = f"model changed from {prev.model}"
             else:
-                centroids = np.load(io.BytesIO(get_verified(store, prev.centroids))).astype(np.float32)
+                centroids = load_array(get_verified(store, prev.centroids)).astype(np.float32)
                 if opts.nlist is None or opts.nlist == len(centroids):
                     assigned = Assigned.run(data, centroids, None, opts, stats)
                     trained = float(prev.stats.get("trained_quantization_error", assigned.error))

@@ -53,6 +53,8 @@ import faiss
 import numpy as np
 import pyarrow as pa
 
+from indexing.npy import load_arrays
+
 #: scalar codec name → faiss scalar quantizer type ("flat": the float IVF of format 1)
 CODECS: dict[str, int] = {
     "sq8": faiss.ScalarQuantizer.QT_8bit,
@@ -227,13 +229,13 @@ def load_codec(raw: bytes, sha256: str | None = None) -> tuple[str, np.ndarray]:
         if digest in _LOADED_CODECS:
             _LOADED_CODECS.move_to_end(digest)
             return _LOADED_CODECS[digest]
-    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-        name = str(z["codec"])
-        try:
-            check_codec(name)
-        except ValueError:
-            raise ValueError(f"this reader does not know the codec {name!r}; upgrade streamrag.") from None
-        trained = z["trained"]
+    z = load_arrays(raw)
+    name = str(z["codec"])
+    try:
+        check_codec(name)
+    except ValueError:
+        raise ValueError(f"this reader does not know the codec {name!r}; upgrade streamrag.") from None
+    trained = z["trained"]
     trained.setflags(write=False)
     with _LOADED_LOCK:
         # Shards opened side by side parse the file at once: all get the first one's
@@ -339,11 +341,11 @@ class ListTable:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> ListTable:
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-            base = (int(z["list_start"]), z["offsets"], z["firsts"], z["counts"], z["sha256"], int(z["code_size"]))
-            if "columns" not in z.files:
-                return cls(*base)
-            return cls(*base, True, z["row_offsets"], z["row_sha256"], z["schema"].tobytes(), z["acls"].tobytes())
+        z = load_arrays(raw)
+        base = (int(z["list_start"]), z["offsets"], z["firsts"], z["counts"], z["sha256"], int(z["code_size"]))
+        if "columns" not in z:
+            return cls(*base)
+        return cls(*base, True, z["row_offsets"], z["row_sha256"], z["schema"].tobytes(), z["acls"].tobytes())
 
     @property
     def row_bytes(self) -> int:

@@ -44,6 +44,7 @@ from indexing.lists import (
     scan_runs,
 )
 from indexing.manifest import FileRef, Manifest, ShardRef, get_verified, load_manifest
+from indexing.npy import load_array
 from indexing.sparse import RangeFetch
 from indexing.store import ObjectStore, get_ranges
 
@@ -166,6 +167,12 @@ def range_pool() -> ThreadPoolExecutor:
 def shard_pool() -> ThreadPoolExecutor:
     """Per-shard work that waits on ``range_pool`` (two pools, so that waiting cannot deadlock)."""
     return _pool("shard-work", SHARD_THREADS)
+
+
+def open_pool(threads: int) -> ThreadPoolExecutor:
+    """Opening shards (a task may wait on ``range_pool``, never on this pool or ``shard_pool``):
+    kept, so that a cold query does not start and join a thread per shard it opens."""
+    return _pool(f"shard-open-{threads}", threads)
 
 
 def open_ranged_shard(
@@ -389,7 +396,7 @@ class IndexReader:
         self.store = store
         self.manifest: Manifest = load_manifest(store, version)
         raw = get_verified(store, self.manifest.centroids)
-        self.centroids = np.load(io.BytesIO(raw)).astype(np.float32)
+        self.centroids = load_array(raw).astype(np.float32)
         self.quantizer = faiss.IndexFlatL2(self.manifest.dim)
         self.quantizer.add(self.centroids)
         self.source = source or MemoSource()
@@ -425,8 +432,7 @@ class IndexReader:
             found[missing[0]] = self.shard(missing[0])
         elif missing:
             threads = self.fetch_threads if self.manifest.codec == "flat" else RANGED_OPEN_THREADS
-            with ThreadPoolExecutor(min(threads, len(missing)), thread_name_prefix="shard-fetch") as pool:
-                found.update(zip(missing, pool.map(self.shard, missing), strict=True))
+            found.update(zip(missing, open_pool(threads).map(self.shard, missing), strict=True))
         return found
 
     def holding(self, lists: np.ndarray) -> dict[int, np.ndarray]:
@@ -450,7 +456,7 @@ class IndexReader:
         with self._alive_lock:
             if s in self._alive:
                 return self._alive[s]
-        dead = np.load(io.BytesIO(get_verified(self.store, ref.dead)), allow_pickle=False)
+        dead = load_array(get_verified(self.store, ref.dead))
         alive = np.ones(ref.count, bool)
         alive[dead] = False
         with self._alive_lock:

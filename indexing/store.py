@@ -80,12 +80,29 @@ class LocalStore(ObjectStore):
         self.root = root
         self._dir = Path(root)
         self._resolved: Path | None = None  # the root's real path, resolved once (a resolve per key is enough)
+        self._dirs: dict[str, Path] = {}  # each key directory's real path, checked to be inside the root
 
     def _path(self, key: str) -> Path:
+        """The key's file, refused if it would lie outside the root (``..``, an absolute key, a
+        symbolic link leading out). A key's directory is resolved once: a full ``resolve`` per
+        key (an ``lstat`` per path component) cost a cold query's reads ~10% of their CPU."""
         root = self._resolved
         if root is None:
             root = self._resolved = self._dir.resolve()
-        path = (root / key).resolve()
+        parent, _, name = key.rpartition("/")
+        if name in ("", ".", "..") or key.startswith("/"):
+            return self._inside(root, (root / key).resolve(), key)
+        base = self._dirs.get(parent)
+        if base is None:
+            base = self._inside(root, (root / parent).resolve() if parent else root, key)
+            if len(self._dirs) >= 4096:
+                self._dirs.clear()
+            self._dirs[parent] = base
+        path = base / name
+        return self._inside(root, path.resolve(), key) if path.is_symlink() else path
+
+    @staticmethod
+    def _inside(root: Path, path: Path, key: str) -> Path:
         if not path.is_relative_to(root):
             raise StoreError(f"key {key!r} escapes the store root.")
         return path

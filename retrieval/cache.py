@@ -184,7 +184,7 @@ class ShardCache:
         except OSError as exc:  # a full or read-only disk degrades to memory-only caching
             log.warning("cannot write the shard cache file %s: %s", path, exc)
             return
-        self._trim_disk()
+        self._grew(len(data))  # trims past the bound (a directory scan per write made a cold start quadratic)
 
     def _ranged(self, file: FileRef, fetch: RangeFetch) -> RangeRead:
         """Ranged reads of a compressed shard's file: counted, and through a sparse local
@@ -203,7 +203,7 @@ class ShardCache:
         return SparseCopy(path, file.bytes, counted, self._grew, metrics.RANGE_READS.labels("disk").inc)
 
     def _grew(self, nbytes: int) -> None:
-        """A sparse copy took ``nbytes`` more of the disk; past the disk bound, trim."""
+        """A sparse copy or a cached file took ``nbytes`` more of the disk; past the disk bound, trim."""
         with self._lock:
             self._disk_held += nbytes
             over = self._disk_held > self.disk_bytes

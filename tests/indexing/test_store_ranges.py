@@ -58,7 +58,8 @@ def test_a_local_key_cannot_escape_the_store_root(tmp_path: Path) -> None:
     store = LocalStore(str(tmp_path / "store"))
     store.put("a/b", b"inside")
     assert store.get("a/../a/b") == b"inside"
-    for key in ("../outside", "a/../../outside", "link/outside", str(tmp_path / "outside")):
+    (tmp_path / "store" / "file-link").symlink_to(tmp_path / "outside")  # a file link leading out
+    for key in ("../outside", "a/../../outside", "link/outside", str(tmp_path / "outside"), "/outside", "file-link"):
         with pytest.raises(StoreError, match="escapes the store root"):
             store.get(key)
     with pytest.raises(StoreError, match="escapes the store root"):
