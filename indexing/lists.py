@@ -176,10 +176,10 @@ def _scan_index(codec: str, trained: np.ndarray) -> Any:
     if m is not None:
         index = faiss.IndexIVFPQ(quant, dim, 1, m, PQ_BITS, faiss.METRIC_L2)
         index.by_residual = False
-        faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), index.pq.centroids)
+        index.pq = quantizer(codec, trained)  # SWIG copies the quantizer, its parameters included
     else:
         index = faiss.IndexIVFScalarQuantizer(quant, dim, 1, CODECS[codec], faiss.METRIC_L2, False)
-        faiss.copy_array_to_vector(np.ascontiguousarray(trained, np.float32), index.sq.trained)
+        index.sq = quantizer(codec, trained)
     index.is_trained = True
     with _SCAN_LOCK:
         _SCAN_INDEXES[id(trained)] = (trained, index)
