@@ -728,11 +728,18 @@ class ResidentLists:
             raise ListIntegrityError("the id map does not match its sha256 in the manifest; refusing to use it.")
         return decode_id_map(blob, True)
 
-    def vectors_local(self, rows: np.ndarray) -> bool:
-        """Whether the rows' float vectors are in a local copy (a disk tier): read without waiting."""
-        holds = getattr(self._fetch_vectors, "holds", None)
+    def local_vectors(self, rows: np.ndarray, digests: np.ndarray) -> np.ndarray | None:
+        """The float32 vectors of rows if a local copy (a disk tier) holds all of them and
+        each matches its digest, else None: read here, with no request and no thread hop."""
+        read_local = getattr(self._fetch_vectors, "read_local", None)
         width = self.dim * 4
-        return holds is not None and bool(holds([(int(r) * width, width) for r in rows]))
+        blobs = read_local([(int(r) * width, width) for r in rows]) if read_local is not None else None
+        if blobs is None:
+            return None
+        for blob, digest in zip(blobs, digests, strict=True):
+            if hashlib.blake2b(blob, digest_size=DIGEST_BYTES).digest() != digest.tobytes():
+                return None  # the caller's ``vectors`` reads it again, from the store
+        return np.frombuffer(b"".join(blobs), np.float32).reshape(len(rows), self.dim)
 
     def vectors(self, rows: np.ndarray, digests: np.ndarray, moved: Fetched | None = None) -> np.ndarray:
         """The float32 vectors of rows, fetched by range, each checked against its digest."""
@@ -742,13 +749,12 @@ class ResidentLists:
             digest = hashlib.blake2b(blob, digest_size=DIGEST_BYTES).digest()
             return len(blob) == width and digest == digests[at].tobytes()
 
-        blobs = self._read(self._fetch_vectors, [(int(r) * width, width) for r in rows], ok, moved)
-        out = np.empty((len(rows), self.dim), np.float32)
-        for i, blob in enumerate(blobs):
+        checked = []
+        for i, blob in enumerate(self._read(self._fetch_vectors, [(int(r) * width, width) for r in rows], ok, moved)):
             if blob is None:
                 raise ListIntegrityError(f"vector of row {int(rows[i])} does not match its digest; refusing to use it.")
-            out[i] = np.frombuffer(blob, np.float32)
-        return out
+            checked.append(blob)
+        return np.frombuffer(b"".join(checked), np.float32).reshape(len(rows), self.dim)
 
     def digests_of(self, rows: np.ndarray, lists: Mapping[int, ListData]) -> np.ndarray:
         """The digests of rows whose lists are in ``lists`` (fetched meanwhile if not)."""

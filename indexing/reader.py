@@ -677,21 +677,28 @@ class IndexReader:
         for at, (s, _) in enumerate(picked):
             by_shard.setdefault(s, []).append(at)
 
-        rows = {s: np.array([picked[a][1] for a in ats], np.int64) for s, ats in by_shard.items()}
-
-        def fetch(s: int) -> tuple[list[int], np.ndarray]:
+        out = np.empty(len(picked), np.float32)
+        remote: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for s, ats in by_shard.items():  # vectors a disk tier holds: read here, at once
             lists = loaded[s].lists
             assert lists is not None
-            return by_shard[s], lists.vectors(rows[s], lists.digests_of(rows[s], resident[s]), moved)
+            rows = np.array([picked[a][1] for a in ats], np.int64)
+            digests = lists.digests_of(rows, resident[s])
+            vectors = lists.local_vectors(rows, digests)
+            if vectors is None:
+                remote[s] = rows, digests
+            else:
+                out[ats] = np.square(vectors - query[None, :]).sum(axis=1)
 
-        out = np.empty(len(picked), np.float32)
-        # vectors a disk tier holds are read here (a thread hop per shard cost more than the
-        # reads); the others, from the store, side by side
-        remote = [s for s in by_shard if not loaded[s].lists.vectors_local(rows[s])]  # type: ignore[union-attr]
-        results = list(shard_pool().map(fetch, remote)) if len(remote) > 1 else [fetch(s) for s in remote]
-        results += [fetch(s) for s in by_shard if s not in remote]
-        for ats, vectors in results:
-            out[ats] = np.square(vectors - query[None, :]).sum(axis=1)
+        def fetch(s: int) -> np.ndarray:
+            lists = loaded[s].lists
+            assert lists is not None
+            return lists.vectors(*remote[s], moved)
+
+        # the others, from the store: side by side
+        fetched = list(shard_pool().map(fetch, remote)) if len(remote) > 1 else [fetch(s) for s in remote]
+        for s, vectors in zip(remote, fetched, strict=True):
+            out[by_shard[s]] = np.square(vectors - query[None, :]).sum(axis=1)
         return out
 
     def rows(self, hits: list[Hit], columns: list[str] | None = None) -> list[dict[str, Any]]:

@@ -49,7 +49,9 @@ def test_a_range_read_once_comes_from_disk_after_that_and_after_a_restart(tmp_pa
     assert got[-1] == DATA[120:130] and (requests, nbytes) == (0, 0) and disk_reads == [4]
     assert os.stat(path).st_blocks * 512 < len(DATA) // 4, "the copy is sparse: only what was read takes disk"
     restarted = SparseCopy(path, len(DATA), remote)
-    assert restarted.holds(ranges) and restarted.holds([(120, 10)]) and not restarted.holds([*ranges, (99, 2)])
+    assert restarted.read_local([*ranges, (120, 10)]) == [DATA[s : s + n] for s, n in [*ranges, (120, 10)]]
+    assert restarted.read_local([*ranges, (99, 2)]) is None, "a range the copy lacks: nothing, and no fetch"
+    assert len(remote.reads) == 3
     got, requests, _ = restarted(ranges)
     assert got == [DATA[s : s + n] for s, n in ranges] and requests == 0
     got, requests, _ = restarted([(99, 2)])  # one byte before what is on disk: fetched
