@@ -676,9 +676,10 @@ class ResidentLists:
             self._acls = pa.array(json.loads(self.table.acls), pa.list_(pa.string()))
         return self._acls
 
-    def records(self, rows: np.ndarray, moved: Fetched | None = None) -> pa.Table:
-        """The id map's rows ``rows``, in that order: each one's row block fetched by range
-        (blocks already in memory are not), checked against its sha256 in the table."""
+    def records(self, rows: np.ndarray, moved: Fetched | None = None, columns: list[str] | None = None) -> pa.Table:
+        """The id map's rows ``rows``, in that order (``columns`` of them, those the layout
+        has): each one's row block fetched by range (blocks already in memory are not),
+        checked against its sha256 in the table."""
         assert self._fetch_rows is not None and self.table.columns
         if self._schema is None:
             self._schema = pa.ipc.read_schema(pa.py_buffer(self.table.schema))
@@ -707,6 +708,8 @@ class ResidentLists:
                     self._budget.admit((self._key, "rows", b), len(blob), partial(self._drop_block, b))
         at = {b: i for i, b in enumerate(wanted)}
         table = pa.Table.from_batches([have[b] for b in wanted], schema=self._schema)
+        if columns is not None:
+            table = table.select([c for c in columns if c in self._schema.names])
         firsts = np.cumsum([0] + [have[b].num_rows for b in wanted])
         picked = [int(firsts[at[int(r) // ROW_BLOCK]]) + int(r) % ROW_BLOCK for r in rows]
         return table.take(pa.array(picked, pa.int64()))

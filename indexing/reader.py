@@ -60,7 +60,8 @@ class LoadedShard:
     derived: dict[Any, Any] = field(default_factory=dict)
     #: a compressed shard's lists, fetched by range as queries probe them
     lists: ResidentLists | None = None
-    #: fetches the whole id map of a row-block shard (a metadata filter reads every row's)
+    #: fetches the whole id map of a row-block shard (what searches never need: they read
+    #: their lists' filter columns and row blocks; an index without keyword files does)
     load_ids: Callable[[], pa.Table] | None = None
     _ids_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

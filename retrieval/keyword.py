@@ -47,7 +47,7 @@ from indexing.keyword import (
     terms,
     working_copy,
 )
-from indexing.reader import Allow, Hit, IndexReader
+from indexing.reader import Allow, Hit, IndexReader, LoadedShard
 from retrieval.tail import TailLog, TailState
 
 log = logging.getLogger(__name__)
@@ -303,6 +303,20 @@ def keyword_search(
         limit *= 4
 
 
+def _filtered(reader: IndexReader, s: int, shard: LoadedShard, allow: Allow, matches: list[Match]) -> np.ndarray | None:
+    """Shard ``s``'s mask for a metadata filter. Of a row-block shard, only the matched rows
+    are decided, from their row blocks (fetched by range: not the whole id map); the keyword
+    search itself applied the ACL, and ``copy.current`` the superseded rows."""
+    matching_rows = getattr(allow, "matching_rows", None)
+    if matching_rows is None or not shard.row_blocks:
+        return reader.row_mask(s, shard, allow)
+    rows = np.array(sorted({m.key & 0xFFFFFFFF for m in matches if m.key >> 32 == s and not m.key & TAIL}), np.int64)
+    mask = np.zeros(int(rows[-1]) + 1 if len(rows) else 0, bool)
+    mask[rows] = matching_rows(shard, rows)
+    alive = reader.alive(s)
+    return mask if alive is None else mask & alive[: len(mask)]
+
+
 def _visible(
     reader: IndexReader,
     tail: TailState,
@@ -313,8 +327,8 @@ def _visible(
 ) -> Iterator[Candidate]:
     matches = [m for m in matches if m.key & TAIL or copy.current(m.key, tail.version)]
     shards = {m.key >> 32 for m in matches if not m.key & TAIL}
-    if allow is not None:  # a metadata filter: only the shards' id maps hold the metadata
-        masks = {s: reader.row_mask(s, shard, allow) for s, shard in reader.shards(shards).items()}
+    if allow is not None:  # a metadata filter: the shards' id maps hold the metadata
+        masks = {s: _filtered(reader, s, shard, allow, matches) for s, shard in reader.shards(shards).items()}
     else:
         masks = {s: reader.alive(s) for s in shards}
     for m in matches:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -25,7 +25,8 @@ from retrieval.tail import INF_VERSION, TailState
 class ShardFilter:
     """The allow-mask a reader applies to each shard it scans (None = all allowed): over a
     shard's whole id map (``__call__``), or over some lists of a row-block shard from their
-    filter columns (``over_lists``: no id map is read, unless a metadata filter needs it)."""
+    filter columns (``over_lists``: no id map is read; a metadata filter reads those lists'
+    row blocks)."""
 
     def __init__(self, tail: TailState, groups: frozenset[str], where: MetadataFilter | None = None) -> None:
         self.tail = tail
@@ -78,9 +79,43 @@ class ShardFilter:
                 mask = np.zeros(resident.table.firsts[-1] + resident.table.counts[-1], bool)
                 mask[rows] = ok
         if self.filter_key is not None:
-            matches = _memo(shard, self.filter_key, lambda: self._matching(shard))
-            mask = matches if mask is None else mask & matches
+            rows, matches = self._matching_lists(shard, lists)
+            if mask is None:
+                mask = np.zeros(resident.table.firsts[-1] + resident.table.counts[-1], bool)
+                mask[rows] = matches
+            else:
+                mask[rows] &= matches
         return mask
+
+    def matching_rows(self, shard: LoadedShard, rows: np.ndarray) -> np.ndarray:
+        """Whether each of ``rows`` of a row-block shard matches the metadata filter, from
+        their row blocks (fetched by range), not the whole id map."""
+        assert shard.lists is not None and self.where is not None
+        found = shard.lists.records(rows, columns=["metadata"])
+        return self.where.mask(found.column("metadata") if "metadata" in found.column_names else None, len(rows))
+
+    def _matching_lists(self, shard: LoadedShard, lists: Mapping[int, ListData]) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, whether each matches the metadata filter) of ``lists``, decided from those
+        rows' id-map blocks, fetched by range (the whole id map is never read); remembered per
+        list and filter."""
+        resident = shard.lists
+        assert resident is not None and self.filter_key is not None
+        table = resident.table
+        memo: dict[int, np.ndarray] = _memo(shard, (*self.filter_key, "lists"), dict)
+        at = {n: n - table.list_start for n in lists}
+        ranges = {n: (int(table.firsts[i]), int(table.counts[i])) for n, i in at.items()}
+        missing = [n for n in ranges if n not in memo]
+        if missing:
+            rows = np.concatenate([np.arange(f, f + c, dtype=np.int64) for f, c in (ranges[n] for n in missing)])
+            matches = self.matching_rows(shard, rows)
+            start = 0
+            for n in missing:
+                memo[n] = matches[start : start + ranges[n][1]]
+                start += ranges[n][1]
+        if not ranges:
+            return np.zeros(0, np.int64), np.zeros(0, bool)
+        rows = np.concatenate([np.arange(f, f + c, dtype=np.int64) for f, c in ranges.values()])
+        return rows, np.concatenate([memo[n] for n in ranges])
 
 
 def shard_filter(tail: TailState, groups: frozenset[str], where: MetadataFilter | None = None) -> ShardFilter:
@@ -201,9 +236,10 @@ def _stale(shard: LoadedShard, tail: TailState) -> np.ndarray | None:
 
 _MEMO_LOCK = threading.Lock()
 _MEMO_SIZE = 64
+_T = TypeVar("_T")
 
 
-def _memo(shard: LoadedShard, key: tuple[Any, ...], make: Callable[[], np.ndarray]) -> np.ndarray:
+def _memo(shard: LoadedShard, key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
     """Per-shard memo of filter masks (bounded; the oldest entries go first)."""
     found = shard.derived.get(key)
     if found is None:

@@ -312,9 +312,13 @@ def test_a_cleaned_up_log_rebuilds_the_live_tail_and_refuses_as_of_into_the_gap(
     assert info.value.status == 404
 
 
-def test_metadata_filters_apply_inside_the_scan_in_the_index_and_the_tail(tmp_path: Path, ray_local: None) -> None:
+@pytest.mark.parametrize("codec", ["flat", "sq8"])
+def test_metadata_filters_apply_inside_the_scan_in_the_index_and_the_tail(
+    tmp_path: Path, ray_local: None, codec: str
+) -> None:
     """A filter that a tenth of the documents match still gets k of them (the probe widens),
-    from the index and the tail alike, and results carry their metadata."""
+    from the index and the tail alike, and results carry their metadata. A compressed index
+    decides it from the probed lists' row blocks: no whole id map is read."""
     import json
 
     from retrieval.filters import MetadataFilter
@@ -325,7 +329,7 @@ def test_metadata_filters_apply_inside_the_scan_in_the_index_and_the_tail(tmp_pa
     docs = [Doc(pk, f"doc {pk} {words(rng)}", (), json.dumps({"team": ["eng", "ops"][pk % 10 == 0], "year": 2026}))
             for pk in range(300)]  # fmt: skip
     lake.write(docs)
-    build(lake, tmp_path / "index")
+    build(lake, tmp_path / "index", codec)
     fresh = Doc(900, "doc 900 freshly written after the index", (), json.dumps({"team": "ops", "year": 2026.0}))
     moved = Doc(10, docs[10].text, (), json.dumps({"team": "eng", "year": 2026}))  # ops → eng after the index
     lake.write([fresh, moved])
@@ -342,3 +346,8 @@ def test_metadata_filters_apply_inside_the_scan_in_the_index_and_the_tail(tmp_pa
     assert ids(engine.search(docs[10].text, k=1, where=MetadataFilter.parse({"team": "eng"}))) == [moved.chunk_id]
     assert engine.search("doc", k=5, where=MetadataFilter.parse({"team": "nobody"})).results == []
     assert engine.search("doc", k=5, where=MetadataFilter.parse({"year": "2026"})).results == []  # a string is not 2026
+    assert set(ids(engine.search("doc", k=30, where=ops, mode="keyword"))) == expected
+    assert set(ids(engine.search("doc", k=30, where=ops, mode="hybrid"))) == expected
+    reader = engine.current_view().reader
+    shards = [reader.shard(s) for s in range(len(reader.manifest.shards))]
+    assert all(shard.id_map is None for shard in shards) == (codec == "sq8")
