@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -351,3 +352,77 @@ def test_metadata_filters_apply_inside_the_scan_in_the_index_and_the_tail(
     reader = engine.current_view().reader
     shards = [reader.shard(s) for s in range(len(reader.manifest.shards))]
     assert all(shard.id_map is None for shard in shards) == (codec == "sq8")
+
+
+class SwitchedStore(LocalStore):
+    """A local store that can be taken down: every read then fails as an unreachable S3 would."""
+
+    down = False
+
+    def _check(self, key: str) -> None:
+        if self.down:
+            from indexing.store import StoreUnavailable
+
+            raise StoreUnavailable(f"cannot reach S3 for {self.uri(key)}: connection refused")
+
+    def get(self, key: str) -> bytes:
+        self._check(key)
+        return super().get(key)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        self._check(key)
+        return super().get_range(key, start, length)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        self._check(prefix)
+        return super().list(prefix)
+
+
+def test_a_compressed_index_serves_what_it_holds_while_the_store_is_down(tmp_path: Path, ray_local: None) -> None:
+    """The S3-outage guarantees with the list layout: the lists, vectors and row blocks a
+    replica holds keep answering exactly; a query that needs a list it lacks fails as the
+    store did (a 503 asking to retry, at the API); health says degraded; all recovers."""
+    import time
+
+    from indexing.store import StoreUnavailable
+    from retrieval.acl import ANONYMOUS
+
+    embedder = FakeEmbedder(dim=32)
+    lake = DocLake(str(tmp_path / "lake"), embedder)
+    docs = corpus()
+    lake.write(docs)
+    build(lake, tmp_path / "index", "sq8")
+    store = SwitchedStore(str(tmp_path / "index"))
+    cache = ShardCache(tmp_path / "cache", memory_bytes=1 << 30)
+    options = EngineOptions(nprobe=2, mode="dense", prefetch=False, index_poll_s=0.05)
+    engine = SearchEngine(lake.lake, store, embedder, cache, options)
+    engine.start()
+    try:
+        asked = [docs[i].text for i in range(0, 300, 37)]
+        before = {q: ids(engine.search(q, k=5)) for q in asked}
+        view = engine.current_view()
+        reader = view.reader
+        lacking = [
+            n
+            for s in range(len(reader.manifest.shards))
+            for n in range(reader.manifest.shards[s].list_start, reader.manifest.shards[s].list_end)
+            if reader.shard(s).lists.table.counts[n - reader.manifest.shards[s].list_start] > 0  # type: ignore[union-attr]
+            and not reader.shard(s).lists.resident(n)  # type: ignore[union-attr]
+        ]
+        assert lacking, "the queries left some lists unfetched"
+        store.down = True
+        assert {q: ids(engine.search(q, k=5)) for q in asked} == before
+        with pytest.raises(StoreUnavailable):
+            engine.search_vector(view, reader.centroids[lacking[0]], 5, ANONYMOUS)
+        deadline = time.monotonic() + 10
+        while engine.health()["status"] != "degraded":
+            assert time.monotonic() < deadline, engine.health()
+            time.sleep(0.05)
+        assert {q: ids(engine.search(q, k=5)) for q in asked} == before
+        store.down = False
+        while engine.health()["status"] != "ok":
+            assert time.monotonic() < deadline + 10, engine.health()
+            time.sleep(0.05)
+        assert engine.search_vector(view, reader.centroids[lacking[0]], 5, ANONYMOUS).results
+    finally:
+        engine.stop()
