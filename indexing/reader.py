@@ -594,19 +594,30 @@ class IndexReader:
         n = len(queries)
         pool = shard_pool()
         wanted = {s: sorted({int(x) for x in lists[held[s]]}) for s in loaded}
-        # a shard whose probed lists are all in memory answers at once (a thread hop costs more)
-        resident: dict[int, dict[int, ListData]] = {}
+        ready = getattr(allow, "ready", None)
+
+        def prepare(s: int) -> tuple[dict[int, ListData], np.ndarray | None]:
+            """A shard's probed lists and its mask over them (fetching what they need)."""
+            got = loaded[s].lists.lists(wanted[s], moved)  # type: ignore[union-attr]
+            return got, self.row_mask(s, loaded[s], allow, got)
+
+        # a shard whose probed lists, and what its filter needs of them, are in memory answers
+        # at once (a thread hop costs more); the others fetch side by side
+        prepared: dict[int, tuple[dict[int, ListData], np.ndarray | None]] = {}
         fetching = {}
         for s, shard in loaded.items():
             assert shard.lists is not None
             if shard.lists.holds(wanted[s]):
-                resident[s] = shard.lists.lists(wanted[s], moved)
-            else:
-                fetching[s] = pool.submit(shard.lists.lists, wanted[s], moved)
-        resident.update({s: f.result() for s, f in fetching.items()})
-        resident = {s: resident[s] for s in loaded}  # the shards' order, whatever answered first
+                got = shard.lists.lists(wanted[s], moved)
+                if ready is None or ready(shard, got):
+                    prepared[s] = got, self.row_mask(s, shard, allow, got)
+                    continue
+            fetching[s] = pool.submit(prepare, s)
+        prepared.update({s: f.result() for s, f in fetching.items()})
+        resident = {s: prepared[s][0] for s in loaded}  # the shards' order, whatever answered first
+        masks = {s: prepared[s][1] for s in loaded}
         depth = max(k, k * rerank)
-        found_d, found_i, found_s = self._scan(queries, lists, held, loaded, resident, allow, depth)
+        found_d, found_i, found_s = self._scan(queries, lists, held, loaded, resident, masks, depth)
         out: list[list[Hit]] = []
         for q, scored in enumerate(_merge(n, found_d, found_i, found_s, depth)):
             if rerank <= 1:
@@ -625,19 +636,18 @@ class IndexReader:
         held: dict[int, np.ndarray],
         loaded: dict[int, LoadedShard],
         resident: dict[int, dict[int, ListData]],
-        allow: Allow | None,
+        masks: dict[int, np.ndarray | None],
         depth: int,
     ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
         """Each query's best ``depth`` rows of its probed lists by their codes: one scan per
-        query (and codec) over every probed shard's lists, the allowed rows' codes taken out
-        of a list a filter restricts; each row tagged with its shard in the high bits."""
+        query (and codec) over every probed shard's lists, the allowed rows' codes (``masks``)
+        taken out of a list a filter restricts; each row tagged with its shard in the high bits."""
         n = len(queries)
         codecs: dict[int, tuple[ResidentLists, list[int]]] = {}
-        masks: dict[int, np.ndarray | None] = {}
         for s, shard in loaded.items():
             ranged = shard.lists
             assert ranged is not None
-            masks[s] = mask = self.row_mask(s, shard, allow, resident[s])
+            mask = masks[s]
             if mask is None or mask.any():
                 codecs.setdefault(id(ranged.trained), (ranged, []))[1].append(s)
         found_d, found_i, found_s = [], [], []

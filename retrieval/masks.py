@@ -87,6 +87,14 @@ class ShardFilter:
                 mask[rows] &= matches
         return mask
 
+    def ready(self, shard: LoadedShard, lists: Mapping[int, ListData]) -> bool:
+        """Whether ``over_lists`` can decide these lists without fetching (their metadata
+        matches are remembered, or no metadata filter)."""
+        if self.filter_key is None:
+            return True
+        memo = shard.derived.get((*self.filter_key, "lists"))
+        return memo is not None and all(n in memo for n in lists)
+
     def matching_rows(self, shard: LoadedShard, rows: np.ndarray) -> np.ndarray:
         """Whether each of ``rows`` of a row-block shard matches the metadata filter, from
         their row blocks (fetched by range), not the whole id map."""
