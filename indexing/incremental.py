@@ -44,7 +44,6 @@ from indexing.kmeans import imbalance
 from indexing.lists import load_codec
 from indexing.manifest import (
     INCREMENTAL_FORMAT_VERSION,
-    ROW_BLOCKS_FORMAT_VERSION,
     FileRef,
     Manifest,
     ManifestError,
@@ -117,7 +116,7 @@ def build_incremental(
     snap: Snapshot, store: ObjectStore, settings: ObjectStoreSettings, opts: BuildOptions
 ) -> Manifest | str:
     """The new version's (unpublished) manifest, its delta written; or why a full build is needed."""
-    from indexing.ivf import Codec, assign_labels, new_build_id, open_data, plan_shards, write_shards
+    from indexing.ivf import Codec, assign_labels, format_of, new_build_id, open_data, plan_shards, write_shards
 
     t0 = time.perf_counter()
     try:
@@ -215,10 +214,8 @@ def build_incremental(
         shards=[*shards, *delta],
         stats=stats,
         codec=prev.codec,
-        # a delta of row-block shards (or a base of them) needs a reader that knows both layouts
-        format_version=ROW_BLOCKS_FORMAT_VERSION
-        if any(s.id_blocks for s in [*shards, *delta])
-        else INCREMENTAL_FORMAT_VERSION,
+        # dead rows need format 3; row-block shards (of the base or the delta) a reader that knows them too
+        format_version=format_of([*shards, *delta], prev.codec, INCREMENTAL_FORMAT_VERSION),
         base_version=base_version,
         base_writer_seqs=base_seqs,
         keyword=prev.keyword,  # the base's; replicas add the delta rows (indexing.keyword)

@@ -60,6 +60,7 @@ from indexing.manifest import (
     FORMAT_VERSION,
     RANGED_FORMAT_VERSION,
     ROW_BLOCKS_FORMAT_VERSION,
+    ROW_CODEC_FORMAT_VERSION,
     FileRef,
     Manifest,
     ShardRef,
@@ -221,6 +222,7 @@ def build_shard(
             codec=codec.ref,
             keys=keys,
             id_blocks=row_blocks is not None,
+            row_codec=table.row_codec,
         )  # fmt: skip
     index = faiss.IndexIVFFlat(faiss.IndexFlatL2(dim), dim, nlist, faiss.METRIC_L2)
     index.is_trained = True  # the coarse quantizer lives in the manifest's centroids
@@ -245,11 +247,13 @@ def id_map_parquet(rows: pa.Table) -> bytes:
     return sink.getvalue()
 
 
-def format_of(shards: list[ShardRef], codec: str) -> int:
-    """The manifest format a full build's shards need (the oldest that reads them)."""
+def format_of(shards: list[ShardRef], codec: str, at_least: int = FORMAT_VERSION) -> int:
+    """The manifest format shards need (the oldest that reads them; ``at_least``)."""
+    if any(s.row_codec for s in shards):
+        return max(at_least, ROW_CODEC_FORMAT_VERSION)
     if any(s.id_blocks for s in shards):
-        return ROW_BLOCKS_FORMAT_VERSION
-    return FORMAT_VERSION if codec == "flat" else RANGED_FORMAT_VERSION
+        return max(at_least, ROW_BLOCKS_FORMAT_VERSION)
+    return max(at_least, FORMAT_VERSION if codec == "flat" else RANGED_FORMAT_VERSION)
 
 
 def chunk_keys(rows: pa.Table) -> bytes:

@@ -38,7 +38,7 @@ from typing import Any
 import pyarrow as pa
 import tantivy
 
-from indexing.lists import decode_id_map
+from indexing.lists import ListTable, decode_id_map
 from indexing.manifest import FileRef, ShardRef, get_verified, put_file, sha256
 from indexing.store import ObjectStore
 
@@ -334,7 +334,8 @@ def build_keyword_index(
         writer = index.index.writer(heap_size=WRITER_HEAP * 2, num_threads=2)
         docs = 0
         for s, ref in enumerate(tqdm(shards, desc="keyword index", disable=not progress, leave=False)):
-            ids = decode_id_map(get_verified(store, ref.ids), ref.id_blocks, [*COLUMNS, "faiss_id"])
+            table = ListTable.from_bytes(get_verified(store, ref.table)) if ref.id_blocks and ref.table else None
+            ids = decode_id_map(get_verified(store, ref.ids), ref.id_blocks, [*COLUMNS, "faiss_id"], table)
             for doc in shard_documents(s, ids):
                 writer.add_document(doc)
                 docs += 1

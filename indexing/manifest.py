@@ -57,7 +57,13 @@ INCREMENTAL_FORMAT_VERSION = 3
 #: compressed shards whose id map is row blocks read by range (``.rows``) and whose list
 #: blocks carry the filter columns: an older reader would parse the id map as parquet
 ROW_BLOCKS_FORMAT_VERSION = 4
-KNOWN_FORMATS = (FORMAT_VERSION, RANGED_FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION, ROW_BLOCKS_FORMAT_VERSION)
+#: row blocks compressed whole (``ShardRef.row_codec``): a reader of format 4 would take
+#: them for Arrow IPC messages
+ROW_CODEC_FORMAT_VERSION = 5
+KNOWN_FORMATS = (
+    FORMAT_VERSION, RANGED_FORMAT_VERSION, INCREMENTAL_FORMAT_VERSION, ROW_BLOCKS_FORMAT_VERSION,
+    ROW_CODEC_FORMAT_VERSION,
+)  # fmt: skip
 _VERSION_KEY = re.compile(r"^versions/(\d{8})\.json$")
 
 
@@ -97,6 +103,8 @@ class ShardRef:
     #: ``ids`` is a ``.rows`` file of row blocks read by range (``indexing.lists``), not a
     #: parquet id map fetched whole
     id_blocks: bool = False
+    #: how the ``.rows`` file stores its blocks ("": format 4; else ``indexing.lists.ROW_CODEC``)
+    row_codec: str = ""
 
     @property
     def live(self) -> int:
@@ -194,6 +202,7 @@ class Manifest:
                 s.get("dead_count", 0),
                 s.get("delta", False),
                 s.get("id_blocks", False),
+                s.get("row_codec", ""),
             )
             for s in obj["shards"]
         ]

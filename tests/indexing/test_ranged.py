@@ -16,6 +16,7 @@ from indexing.manifest import ManifestError, ShardRef, load_manifest, publish
 from indexing.reader import IndexReader, LoadedShard, load_shard, take_rows
 from indexing.snapshot import plan
 from indexing.store import LocalStore, ObjectStore
+from pipelines.lake import Lake
 from pipelines.storage import ObjectStoreSettings
 from tests.indexing.lakes import synthetic_lake
 
@@ -67,11 +68,11 @@ def found_ids(reader: IndexReader, hits) -> list[list[int]]:  # type: ignore[no-
 def test_manifest_records_the_codec_and_old_readers_refuse_it_cleanly(indexes) -> None:  # type: ignore[no-untyped-def]
     flat, sq8, _ = indexes
     m = load_manifest(LocalStore(str(sq8)))
-    assert m.codec == "sq8" and m.format_version == 4
+    assert m.codec == "sq8" and m.format_version == 5
     assert all(s.ranged and s.table and s.vectors and s.codec and s.id_blocks for s in m.shards)
     assert all(s.ids.key.endswith(".rows") for s in m.shards)
     assert load_manifest(LocalStore(str(flat))).format_version == 1  # float indexes stay readable by older readers
-    raw = (sq8 / "versions" / "00000001.json").read_bytes().replace(b'"format_version": 4', b'"format_version": 9')
+    raw = (sq8 / "versions" / "00000001.json").read_bytes().replace(b'"format_version": 5', b'"format_version": 9')
     with pytest.raises(ManifestError, match="upgrade streamrag"):
         type(m).from_json(raw)
 
@@ -105,7 +106,7 @@ def test_product_quantized_lists_hold_m_bytes_a_vector_and_rerank_to_the_float_r
     store = LocalStore(str(tmp_path / "pq"))
     manifest = build_index(plan(lake), store.root, ObjectStoreSettings(), dataclasses.replace(OPTS, codec="pq8"))
     publish(store, manifest)
-    assert manifest.codec == "pq8" and manifest.format_version == 4
+    assert manifest.codec == "pq8" and manifest.format_version == 5
     rng = np.random.default_rng(3)
     queries = (x[rng.choice(len(x), 100, replace=False)] + rng.normal(0, 0.05, (100, x.shape[1]))).astype(np.float32)
     want = truth(x, queries)
@@ -466,6 +467,36 @@ def test_an_index_of_the_older_layout_answers_as_the_row_block_one(  # type: ign
     queries = x[:20] + 0.01
     for got, want in zip(old.search(queries, 10, nprobe=8), new.search(queries, 10, nprobe=8), strict=True):
         assert [r["chunk_id"] for r in old.rows(got)] == [r["chunk_id"] for r in new.rows(want)]
+
+
+def test_row_blocks_of_format_4_answer_as_those_compressed_whole(  # type: ignore[no-untyped-def]
+    indexes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row blocks whose buffers Arrow compressed one by one (format 4, as first written) keep
+    working beside blocks compressed whole (format 5): the same answers, lineage, filters on
+    the probed lists' rows, and whole id maps; the whole blocks are smaller."""
+    import indexing.lists as lists_mod
+
+    _, sq8, x = indexes
+    lake = Lake.at(str(sq8.parent / "lake"))  # the same rows as the fixture's index
+    monkeypatch.setattr(lists_mod, "ROW_CODEC", "")
+    store = LocalStore(str(tmp_path / "v4"))
+    manifest = build_index(plan(lake), store.root, ObjectStoreSettings(), dataclasses.replace(OPTS, codec="sq8"))
+    publish(store, manifest)
+    monkeypatch.undo()
+    assert manifest.format_version == 4 and all(s.id_blocks and not s.row_codec for s in manifest.shards)
+    new_store = LocalStore(str(sq8))
+    new_manifest = load_manifest(new_store)
+    assert all(s.row_codec == "zstd" for s in new_manifest.shards)
+    old, new = IndexReader(store), IndexReader(new_store)
+    assert old.shard(0).lists.table.row_codec == ""  # type: ignore[union-attr]
+    queries = x[:20] + 0.01
+    for got, want in zip(old.search(queries, 10, nprobe=8), new.search(queries, 10, nprobe=8), strict=True):
+        assert old.rows(got) == new.rows(want)
+    for s in range(len(manifest.shards)):
+        assert old.shard(s).ids.equals(new.shard(s).ids)  # the whole id maps, decoded both ways
+    rows = sum(s.ids.bytes for s in manifest.shards), sum(s.ids.bytes for s in new_manifest.shards)
+    assert rows[1] < rows[0], f"whole-block zstd should be smaller: {rows}"
 
 
 def test_shards_opened_side_by_side_share_one_codec(monkeypatch: pytest.MonkeyPatch) -> None:
