@@ -60,8 +60,9 @@ class LoadedShard:
     derived: dict[Any, Any] = field(default_factory=dict)
     #: a compressed shard's lists, fetched by range as queries probe them
     lists: ResidentLists | None = None
-    #: fetches the whole id map of a row-block shard (what searches never need: they read
-    #: their lists' filter columns and row blocks; an index without keyword files does)
+    #: fetches the whole id map of a row-block shard (searches never do: they read their lists'
+    #: filter columns and row blocks; a replica adding an incremental version's delta shards
+    #: to its keyword copy does)
     load_ids: Callable[[], pa.Table] | None = None
     _ids_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
