@@ -185,34 +185,32 @@ def serve_ours(lake: Lake, index: Path, cache_dir: Path, queries: np.ndarray, tr
     ready_s = time.perf_counter() - t0
     view = engine.current_view()
 
-    cpu: list[float] = []  # the last run's CPU time per query (this thread's)
-
-    def run(qs: np.ndarray, want: np.ndarray) -> tuple[list[float], float, int, int]:
+    def run(
+        qs: np.ndarray, want: np.ndarray, filt: MetadataFilter | None = where
+    ) -> tuple[list[float], list[float], float, int, int]:
+        """(latencies, this thread's CPU time per query, recall@10, GETs, bytes) of one pass."""
         r0, b0 = slow.snapshot()
-        latencies, found = [], 0
-        cpu.clear()
+        latencies, cpu, found = [], [], 0
         for q, w in zip(qs, want, strict=True):
             t, c = time.perf_counter(), time.thread_time()
-            result = engine.search_vector(view, q, 10, ANONYMOUS, where=where)
+            result = engine.search_vector(view, q, 10, ANONYMOUS, where=filt)
             latencies.append(time.perf_counter() - t)
             cpu.append(time.thread_time() - c)
             found += len({int(r["chunk_id"][1:]) for r in result.results} & set(w.tolist()))
         r1, b1 = slow.snapshot()
-        return latencies, found / want.size, r1 - r0, b1 - b0
+        return latencies, cpu, found / want.size, r1 - r0, b1 - b0
 
-    def passes(qs: np.ndarray, want: np.ndarray) -> tuple[dict[str, object], float, int, int]:
+    def passes(
+        qs: np.ndarray, want: np.ndarray, filt: MetadataFilter | None = where
+    ) -> tuple[dict[str, object], float, int, int]:
         """Warm figures over WARM_PASSES passes of every query (after one to warm up): the
         first pass's p50/p99 as before, each pass's p99, the p99 of each query's median
         over the passes and of its CPU time. On a shared VM a pass's p99 (its 2nd-slowest
-        query of 200) is often one query descheduled for 5-10 ms: CPU time shows the work."""
-        _, _, up_requests, up_bytes = run(qs, want)
-        walls, cpus = [], []
-        for _ in range(WARM_PASSES):
-            lat, recall, requests, nbytes = run(qs, want)
-            walls.append(lat)
-            cpus.append(list(cpu))
-            if len(walls) == 1:
-                first = (recall, requests, nbytes)
+        query of 200) is often one query descheduled for 5-10 ms: CPU time shows the work.
+        Also the first pass's recall, GETs and bytes."""
+        *_, up_requests, up_bytes = run(qs, want, filt)
+        done = [run(qs, want, filt) for _ in range(WARM_PASSES)]
+        walls, cpus = [d[0] for d in done], [d[1] for d in done]
         figures = {
             **ms(walls[0]),
             "p99_ms_by_pass": [round(float(np.percentile(w, 99)) * 1000, 2) for w in walls],
@@ -220,11 +218,11 @@ def serve_ours(lake: Lake, index: Path, cache_dir: Path, queries: np.ndarray, tr
             "cpu_p99_ms": round(float(np.percentile(np.median(cpus, axis=0), 99)) * 1000, 2),
             "warm_up_pass": {"requests": up_requests, "mb": round(up_bytes / 2**20, 2)},
         }
-        return figures, *first
+        return figures, *done[0][2:]
 
-    first, _, first_requests, first_bytes = run(queries[:1], truth[:1])
+    first, _, _, first_requests, first_bytes = run(queries[:1], truth[:1])
     probed = probed_list_bytes(view.reader, queries[:1], nprobe)
-    next20, _, next_requests, next_bytes = run(queries[1:21], truth[1:21])
+    next20, _, _, next_requests, next_bytes = run(queries[1:21], truth[1:21])
     cold = {"ready_s": round(ready_s, 2), "cold_first_query_ms": round(first[0] * 1000, 1),
             "cold_first_requests": first_requests, "cold_first_mb": round(first_bytes / 2**20, 2),
             "cold_first_probed_lists_mb": round(probed / 2**20, 2),
@@ -238,11 +236,9 @@ def serve_ours(lake: Lake, index: Path, cache_dir: Path, queries: np.ndarray, tr
     rss = psutil.Process().memory_info().rss
     deeper = {}
     if filtered_truth is not None:  # the same replica, warm: the filter's row blocks come on the first pass
-        where = FILTER
-        lat, rec, req, _ = passes(queries, filtered_truth)
+        lat, rec, req, _ = passes(queries, filtered_truth, FILTER)
         deeper["filtered"] = {"where": FILTER_RAW, **lat, "recall_at_10": round(rec, 4),
                               "requests_per_query": round(req / len(queries), 1)}  # fmt: skip
-        where = None
     for rerank in reranks[1:]:
         engine.options = dataclasses.replace(engine.options, rerank=rerank)
         lat, rec, req, _ = passes(queries, truth)

@@ -247,12 +247,17 @@ def load_codec(raw: bytes, sha256: str | None = None) -> tuple[str, np.ndarray]:
     return found
 
 
+def vector_digest(raw: bytes) -> bytes:
+    """The digest a list block keeps of one row's float32 vector (its bytes)."""
+    return hashlib.blake2b(raw, digest_size=DIGEST_BYTES).digest()
+
+
 def row_digests(vectors: np.ndarray) -> np.ndarray:
-    """(n, DIGEST_BYTES) uint8: blake2b of each float32 row."""
+    """(n, DIGEST_BYTES) uint8: ``vector_digest`` of each float32 row."""
     rows = np.ascontiguousarray(vectors, dtype=np.float32)
     out = np.empty((len(rows), DIGEST_BYTES), np.uint8)
     for i, row in enumerate(rows):
-        out[i] = np.frombuffer(hashlib.blake2b(row.tobytes(), digest_size=DIGEST_BYTES).digest(), np.uint8)
+        out[i] = np.frombuffer(vector_digest(row.tobytes()), np.uint8)
     return out
 
 
@@ -790,7 +795,7 @@ class ResidentLists:
         if blobs is None:
             return None
         for blob, digest in zip(blobs, digests, strict=True):
-            if hashlib.blake2b(blob, digest_size=DIGEST_BYTES).digest() != digest.tobytes():
+            if vector_digest(blob) != digest.tobytes():
                 return None  # the caller's ``vectors`` reads it again, from the store
         return np.frombuffer(b"".join(blobs), np.float32).reshape(len(rows), self.dim)
 
@@ -799,8 +804,7 @@ class ResidentLists:
         width = self.dim * 4
 
         def ok(at: int, blob: bytes) -> bool:
-            digest = hashlib.blake2b(blob, digest_size=DIGEST_BYTES).digest()
-            return len(blob) == width and digest == digests[at].tobytes()
+            return len(blob) == width and vector_digest(blob) == digests[at].tobytes()
 
         checked = []
         for i, blob in enumerate(self._read(self._fetch_vectors, [(int(r) * width, width) for r in rows], ok, moved)):

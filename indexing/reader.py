@@ -597,9 +597,10 @@ class IndexReader:
         wanted = {s: sorted({int(x) for x in lists[held[s]]}) for s in loaded}
         ready = getattr(allow, "ready", None)
 
-        def prepare(s: int) -> tuple[dict[int, ListData], np.ndarray | None]:
-            """A shard's probed lists and its mask over them (fetching what they need)."""
-            got = loaded[s].lists.lists(wanted[s], moved)  # type: ignore[union-attr]
+        def prepare(s: int, got: dict[int, ListData] | None = None) -> tuple[dict[int, ListData], np.ndarray | None]:
+            """A shard's probed lists (``got``, else fetched) and its mask over them (fetching what it needs)."""
+            if got is None:
+                got = loaded[s].lists.lists(wanted[s], moved)  # type: ignore[union-attr]
             return got, self.row_mask(s, loaded[s], allow, got)
 
         # a shard whose probed lists, and what its filter needs of them, are in memory answers
@@ -611,7 +612,7 @@ class IndexReader:
             if shard.lists.holds(wanted[s]):
                 got = shard.lists.lists(wanted[s], moved)
                 if ready is None or ready(shard, got):
-                    prepared[s] = got, self.row_mask(s, shard, allow, got)
+                    prepared[s] = prepare(s, got)
                     continue
             fetching[s] = pool.submit(prepare, s)
         prepared.update({s: f.result() for s, f in fetching.items()})

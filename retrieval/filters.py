@@ -98,6 +98,11 @@ class MetadataFilter:
         return out
 
 
+def table_mask(where: MetadataFilter, table: pa.Table) -> np.ndarray:
+    """Which rows of an id map or a tail's table match (a table without ``metadata``: none)."""
+    return where.mask(table.column("metadata") if "metadata" in table.column_names else None, table.num_rows)
+
+
 def parse_metadata(value: str | None) -> dict[str, Any]:
     """A stored metadata JSON object as a dict ({} when there is none)."""
     if not value:

@@ -18,7 +18,7 @@ import numpy as np
 from indexing.lists import ListData, key_hashes
 from indexing.reader import LoadedShard
 from retrieval.acl import acl_mask
-from retrieval.filters import MetadataFilter
+from retrieval.filters import MetadataFilter, table_mask
 from retrieval.tail import INF_VERSION, TailState
 
 
@@ -43,8 +43,7 @@ class ShardFilter:
 
     def _matching(self, shard: LoadedShard) -> np.ndarray:
         assert self.where is not None
-        ids = shard.ids  # an index built before metadata existed has no such column: nothing matches
-        return self.where.mask(ids.column("metadata") if "metadata" in ids.column_names else None, ids.num_rows)
+        return table_mask(self.where, shard.ids)  # an index built before metadata existed: nothing matches
 
     def __call__(self, _: int, shard: LoadedShard) -> np.ndarray | None:
         groups = self.groups
@@ -99,8 +98,7 @@ class ShardFilter:
         """Whether each of ``rows`` of a row-block shard matches the metadata filter, from
         their row blocks (fetched by range), not the whole id map."""
         assert shard.lists is not None and self.where is not None
-        found = shard.lists.records(rows, columns=["metadata"])
-        return self.where.mask(found.column("metadata") if "metadata" in found.column_names else None, len(rows))
+        return table_mask(self.where, shard.lists.records(rows, columns=["metadata"]))
 
     def _matching_lists(self, shard: LoadedShard, lists: Mapping[int, ListData]) -> tuple[np.ndarray, np.ndarray]:
         """(rows, whether each matches the metadata filter) of ``lists``, decided from those
