@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from indexing.distributed import LocalPartitions, RayData, choose_executor, start_ray
+from indexing.distributed import LocalPartitions, RayData, choose_executor, small_pages, start_ray
 from indexing.keyword import build_keyword_index
 from indexing.kmeans import (
     SAMPLE_PER_LIST,
@@ -449,7 +449,13 @@ def build_index(
 
     With ``reuse_centroids`` (and ``incremental``), an incremental build when it is possible
     (``indexing.incremental``), else a full one. A Ray build starts Ray unless it is running
-    (``opts.ray_address``: join that cluster); the caller shuts it down."""
+    (``opts.ray_address``: join that cluster); the caller shuts it down. numpy's arrays are
+    allocated in small pages meanwhile (``small_pages``)."""
+    with small_pages():
+        return _build_index(snap, store_uri, settings, opts)
+
+
+def _build_index(snap: Snapshot, store_uri: str, settings: ObjectStoreSettings, opts: BuildOptions) -> Manifest:
     store = open_store(store_uri, settings)
     full_reason = None
     if opts.reuse_centroids and opts.incremental:

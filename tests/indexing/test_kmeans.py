@@ -4,6 +4,7 @@ import faiss
 import numpy as np
 import pytest
 
+from indexing.distributed import huge_page_advice, small_pages
 from indexing.kmeans import (
     MAX_RECALL_LOSS,
     MAX_SCAN_GROWTH,
@@ -13,6 +14,7 @@ from indexing.kmeans import (
     RecallCost,
     imbalance,
     nearest,
+    one_thread_each,
     partial_sums,
     quotas,
     sample_indices,
@@ -199,3 +201,24 @@ def test_centroids_without_training_cells_are_grouped_by_kmeans() -> None:
     assert level.recall_loss[40] <= MAX_RECALL_LOSS
     everything = CoarseLevel(centroids, level.coarse, level.cells, probe=len(level.cells))
     np.testing.assert_array_equal(everything.search(x)[1], nearest(x, centroids)[1])
+
+
+def test_pool_workers_run_faiss_and_blas_on_one_thread_each() -> None:
+    # OpenMP's thread count belongs to each thread: a limit set only in the caller left every
+    # worker's faiss calls starting a team of the machine's size (oversubscribed, 2x slower)
+    from threadpoolctl import threadpool_info
+
+    with one_thread_each() as pool:
+        omp = set(pool.map(lambda _: faiss.omp_get_max_threads(), range(8)))
+        blas = set(pool.map(lambda _: max(i["num_threads"] for i in threadpool_info()), range(8)))
+    assert omp == {1} and blas == {1}
+
+
+def test_a_build_allocates_without_huge_page_advice_and_restores_it() -> None:
+    before = huge_page_advice(True)
+    try:
+        with small_pages():
+            assert huge_page_advice(False) is False  # numpy's advice is off inside
+        assert huge_page_advice(True) is True  # and back as it was after
+    finally:
+        huge_page_advice(before)
