@@ -14,7 +14,7 @@ import faiss
 import numpy as np
 import pytest
 
-from indexing.ivf import BuildOptions, build_index, choose_nlist, plan_shards
+from indexing.ivf import BuildOptions, _ivf_flat_through_faiss, build_index, choose_nlist, ivf_flat_bytes, plan_shards
 from indexing.manifest import (
     ManifestError,
     collect_garbage,
@@ -496,3 +496,18 @@ def test_an_eviction_drops_the_stacked_index_and_its_hold_on_shards(built) -> No
     assert [[(h.shard, h.faiss_id) for h in row] for row in reader.search(queries, 10, 8)] == expected
     gc.collect()
     assert reader._combined is None and any(shard() is None for shard in first)
+
+
+@pytest.mark.parametrize("lists", [(10, 20), (0, 50), (10, 11), (3, 3)], ids=["sparse", "full", "one", "none"])
+def test_flat_shard_bytes_are_faiss_own_serialization(lists: tuple[int, int]) -> None:
+    # the shard file is written straight from the partitions' blocks; it must be exactly
+    # what faiss writes for the same lists, ids and vectors (sizes "sprs" or "full")
+    rng = np.random.default_rng(lists[0])
+    vectors, labels = [], []
+    for n in (150, 0, 97):
+        vectors.append(rng.standard_normal((n, 16)).astype(np.float32))
+        labels.append(rng.integers(lists[0], max(lists), n) if lists[1] > lists[0] else np.zeros(0, np.int64))
+    ours = ivf_flat_bytes(vectors, labels, 50, 16)
+    assert bytes(ours) == _ivf_flat_through_faiss(vectors, labels, 50, 16)
+    index = faiss.deserialize_index(np.frombuffer(ours, np.uint8))
+    assert index.ntotal == sum(len(b) for b in labels) and index.nlist == 50
