@@ -242,6 +242,7 @@ def ivf_flat_bytes(vectors: list[np.ndarray], labels: list[np.ndarray], nlist: i
     stage. faiss writes its header, the list sizes ("full", or "sprs" pairs when at most
     half the lists hold rows) and each non-empty list's codes then ids; the header comes
     from faiss itself, and a faiss whose empty index ends otherwise is used as before."""
+    vectors = [np.asarray(block, dtype=np.float32) for block in vectors]
     counts = np.zeros(nlist, dtype=np.int64)
     for block in labels:
         counts += np.bincount(block, minlength=nlist)
