@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
-from indexing.kmeans import Matrix, PartialSums, partial_sums, sample_indices, split_indices
+from indexing.kmeans import Matrix, PartialSums, one_thread_each, partial_sums, sample_indices, split_indices
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,10 @@ class LocalPartitions(_Partitioned):
         return np.concatenate([v[rows] for v, rows in zip(self.vectors, local, strict=True) if len(rows)])
 
     def assign_partial(self, centroids: Matrix) -> PartialSums:
-        return PartialSums.total([partial_sums(v, centroids) for v in self.vectors])
+        """Each partition's share on a worker of its own, one library thread each, as Ray's
+        actors do (``one_thread_each``)."""
+        with one_thread_each() as pool:
+            return PartialSums.total(list(pool.map(lambda v: partial_sums(v, centroids), self.vectors)))
 
     def map(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         return [fn(part, *args) for part in self.parts]

@@ -224,11 +224,15 @@ def train_kmeans(
     seed: int = 1234,
     progress: bool = True,
     reduce: Callable[[Matrix], PartialSums] | None = None,
+    measure: bool = True,
 ) -> KMeansResult:
     """Lloyd's k-means: k-means++ seeding on a sample, empty-cluster repair, relative-objective stop.
 
     ``reduce`` (default ``data.assign_partial``) computes the summed partial sums of all
-    data for given centroids; distributed data does the fan-out there.
+    data for given centroids; distributed data does the fan-out there. ``measure``: one
+    more pass for the objective and counts of the returned centroids; without it they are
+    those of the last step's centroids (a caller that assigns every vector afterwards
+    measures the final ones then, and saves a pass over the data).
     """
     n = _check_k(data, k)
     started = time.perf_counter()
@@ -258,6 +262,8 @@ def train_kmeans(
             if prev > 0 and (prev - cur) / prev < tol:
                 break
     bar.close()
+    if not measure:
+        return KMeansResult(centroids, history[-1], done, history, counts, time.perf_counter() - started)
     final = step(centroids)  # objective and counts of the centroids we return
     return KMeansResult(
         centroids, final.objective, done, [*history, final.objective], final.counts, time.perf_counter() - started

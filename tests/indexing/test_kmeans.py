@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import faiss
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from indexing.kmeans import (
     CoarseLevel,
     KMeansError,
     LocalData,
+    PartialSums,
     RecallCost,
     imbalance,
     nearest,
@@ -222,3 +225,24 @@ def test_a_build_allocates_without_huge_page_advice_and_restores_it() -> None:
         assert huge_page_advice(True) is True  # and back as it was after
     finally:
         huge_page_advice(before)
+
+
+def test_a_caller_that_assigns_afterwards_can_skip_the_measuring_pass() -> None:
+    x = clustered(3000, 16, 20)
+    calls: list[int] = []
+
+    def counted(data: LocalData) -> Callable[[np.ndarray], PartialSums]:
+        def step(centroids: np.ndarray) -> PartialSums:
+            calls.append(1)
+            return data.assign_partial(centroids)
+
+        return step
+
+    data = LocalData(x)
+    measured = train_kmeans(data, 20, 6, tol=0.0, seed=4, progress=False, reduce=counted(data))
+    assert len(calls) == 7 and measured.objective == partial_sums(x, measured.centroids).objective
+    calls.clear()
+    quick = train_kmeans(data, 20, 6, tol=0.0, seed=4, progress=False, reduce=counted(data), measure=False)
+    assert len(calls) == 6  # the build's assignment measures the final centroids instead
+    np.testing.assert_array_equal(quick.centroids, measured.centroids)
+    assert quick.objective == measured.history[-2] >= measured.objective
