@@ -243,9 +243,10 @@ def ivf_flat_bytes(vectors: list[np.ndarray], labels: list[np.ndarray], nlist: i
     half the lists hold rows) and each non-empty list's codes then ids; the header comes
     from faiss itself, and a faiss whose empty index ends otherwise is used as before."""
     vectors = [np.asarray(block, dtype=np.float32) for block in vectors]
+    per_block = [np.bincount(block, minlength=nlist) for block in labels]
     counts = np.zeros(nlist, dtype=np.int64)
-    for block in labels:
-        counts += np.bincount(block, minlength=nlist)
+    for block_counts in per_block:
+        counts += block_counts
     total = int(counts.sum())
     empty = faiss.IndexIVFFlat(faiss.IndexFlatL2(dim), dim, nlist, faiss.METRIC_L2)
     empty.is_trained = True
@@ -267,19 +268,18 @@ def ivf_flat_bytes(vectors: list[np.ndarray], labels: list[np.ndarray], nlist: i
     out[: len(head)] = np.frombuffer(head, np.uint8)
     at = len(head) + len(sizes)
     out[len(head) : at] = np.frombuffer(sizes, np.uint8)
+    # each block's rows by list; a list's rows in a block start where the lists before it end
     sorted_rows = [np.argsort(block, kind="stable") for block in labels]
-    sorted_labels = [block[rows] for block, rows in zip(labels, sorted_rows, strict=True)]
-    bounds = [np.searchsorted(block, nonempty, side="left") for block in sorted_labels]
-    ends = [np.searchsorted(block, nonempty, side="right") for block in sorted_labels]
+    starts = [(np.cumsum(c) - c)[nonempty] for c in per_block]
+    sizes_in = [c[nonempty] for c in per_block]
     first = 0
     for j, count in enumerate(counts[nonempty].tolist()):
         codes = out[at : at + count * row_bytes].view(np.float32).reshape(count, dim)
         filled = 0
-        for block, rows, lo, hi in zip(vectors, sorted_rows, bounds, ends, strict=True):
-            n = int(hi[j] - lo[j])
-            if n:
-                np.take(block, rows[lo[j] : hi[j]], axis=0, out=codes[filled : filled + n])
-                filled += n
+        for block, rows, lo, n in zip(vectors, sorted_rows, starts, sizes_in, strict=True):
+            if n[j]:
+                np.take(block, rows[lo[j] : lo[j] + n[j]], axis=0, out=codes[filled : filled + n[j]])
+                filled += int(n[j])
         at += count * row_bytes
         out[at : at + count * 8].view(np.int64)[:] = np.arange(first, first + count, dtype=np.int64)
         at += count * 8
