@@ -246,3 +246,24 @@ def test_a_caller_that_assigns_afterwards_can_skip_the_measuring_pass() -> None:
     assert len(calls) == 6  # the build's assignment measures the final centroids instead
     np.testing.assert_array_equal(quick.centroids, measured.centroids)
     assert quick.objective == measured.history[-2] >= measured.objective
+
+
+def test_partial_sums_are_close_to_float64_and_copy_no_vectors() -> None:
+    """Sums in float32 over blocks, added in float64: within 3e-6 of float64 throughout on a
+    big list (60k vectors in one list: 1.4e-6 measured, float32 over all of them 9.3e-6),
+    without the float64 copy of every vector a step used to make (twice the vectors' size)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((60_000, 256)).astype(np.float32) + 0.5
+    for k in (1, 7):
+        centroids = x[:k].copy()
+        labels = nearest(x, centroids)[1]
+        exact = np.stack([x[labels == j].astype(np.float64).sum(axis=0) for j in range(k)])
+        tracemalloc.start()
+        got = partial_sums(x, centroids)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert np.abs(got.sums - exact).max() <= 3e-6 * np.abs(exact).max()
+        assert got.counts.tolist() == np.bincount(labels, minlength=k).tolist()
+        assert peak < x.nbytes / 4, f"partial_sums allocated {peak / x.nbytes:.2f}x the vectors"
