@@ -564,3 +564,29 @@ def test_a_query_of_an_up_to_date_copy_does_not_wait_for_a_commit(setup) -> None
         finished = done.wait(10)
     searcher.join()
     assert finished, "a keyword query waited for the copy's lock"
+
+
+def test_the_keyword_build_makes_its_documents_with_the_collector_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A million documents set off collections that scanned every object of the build's
+    process (1.9 of a 1M build's 47 CPU seconds): none while they are made, and the
+    collector is back on after."""
+    import gc
+
+    import indexing.keyword as keyword
+
+    seen: list[bool] = []
+    make = keyword.shard_documents
+
+    def watched(shard: int, ids):  # type: ignore[no-untyped-def]
+        for doc in make(shard, ids):
+            seen.append(gc.isenabled())
+            yield doc
+
+    monkeypatch.setattr(keyword, "shard_documents", watched)
+    lake = DocLake(str(tmp_path / "lake"), FakeEmbedder(dim=32))
+    lake.write(corpus())
+    build(lake, tmp_path / "index", executor="local")
+    assert len(seen) == 200 and not any(seen)
+    assert gc.isenabled()
