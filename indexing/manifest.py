@@ -215,11 +215,11 @@ class Manifest:
         return [self.centroids, *(f for s in self.shards for f in s.files()), *self.keyword]
 
 
-def sha256(data: bytes | bytearray) -> str:
+def sha256(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def put_file(store: ObjectStore, key: str, data: bytes | bytearray) -> FileRef:
+def put_file(store: ObjectStore, key: str, data: bytes | bytearray | memoryview) -> FileRef:
     store.put(key, data)
     return FileRef(key, len(data), sha256(data))
 

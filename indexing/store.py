@@ -60,7 +60,8 @@ class ObjectStore(ABC):
         """Bytes ``[start, start + length)`` of a file (fewer only past its end: callers verify)."""
 
     @abstractmethod
-    def put(self, key: str, data: bytes | bytearray, if_absent: bool = False) -> None: ...
+    def put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool = False) -> None:
+        """Write ``data`` under ``key``, whole, before returning: the caller may reuse its buffer."""
 
     @abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]: ...
@@ -127,7 +128,7 @@ class LocalStore(ObjectStore):
         except OSError as exc:
             raise StoreUnavailable(f"cannot read {self.uri(key)}: {exc}") from exc
 
-    def put(self, key: str, data: bytes | bytearray, if_absent: bool = False) -> None:
+    def put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool = False) -> None:
         path = self._path(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -264,10 +265,11 @@ class S3Store(ObjectStore):
 
         return self._patiently("get", key, op)
 
-    def put(self, key: str, data: bytes | bytearray, if_absent: bool = False) -> None:
+    def put(self, key: str, data: bytes | bytearray | memoryview, if_absent: bool = False) -> None:
         extra = {"IfNoneMatch": "*"} if if_absent else {}
+        body = bytes(data) if isinstance(data, memoryview) else data  # botocore takes bytes, bytearray or a file
         self._patiently(
-            "put", key, lambda: self._client.put_object(Bucket=self._bucket, Key=self._key(key), Body=data, **extra)
+            "put", key, lambda: self._client.put_object(Bucket=self._bucket, Key=self._key(key), Body=body, **extra)
         )
 
     def list(self, prefix: str = "") -> Iterator[str]:

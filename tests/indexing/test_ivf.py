@@ -14,7 +14,15 @@ import faiss
 import numpy as np
 import pytest
 
-from indexing.ivf import BuildOptions, _ivf_flat_through_faiss, build_index, choose_nlist, ivf_flat_bytes, plan_shards
+from indexing.ivf import (
+    BuildOptions,
+    Scratch,
+    _ivf_flat_through_faiss,
+    build_index,
+    choose_nlist,
+    ivf_flat_bytes,
+    plan_shards,
+)
 from indexing.manifest import (
     ManifestError,
     collect_garbage,
@@ -511,3 +519,19 @@ def test_flat_shard_bytes_are_faiss_own_serialization(lists: tuple[int, int]) ->
     assert bytes(ours) == _ivf_flat_through_faiss(vectors, labels, 50, 16)
     index = faiss.deserialize_index(np.frombuffer(ours, np.uint8))
     assert index.ntotal == sum(len(b) for b in labels) and index.nlist == 50
+    # in-process builds hand each partition's whole array and the rows of the block in it
+    wholes, picks = [], []
+    for block in vectors:
+        whole = rng.standard_normal((2 * len(block) + 5, 16)).astype(np.float32)
+        pick = np.sort(rng.choice(len(whole), len(block), replace=False))
+        whole[pick] = block
+        wholes.append(whole)
+        picks.append(pick)
+    assert bytes(ivf_flat_bytes(wholes, labels, 50, 16, picks)) == bytes(ours)
+    assert bytes(ivf_flat_bytes([wholes[0], *vectors[1:]], labels, 50, 16, [picks[0], None, None])) == bytes(ours)
+    # a thread's scratch buffer, reused from a larger shard and dirty, holds exactly the same bytes
+    scratch = Scratch()
+    scratch.take(len(ours) + 999)[:] = b"\xff" * (len(ours) + 999)
+    kept = scratch.buffer
+    assert bytes(ivf_flat_bytes(wholes, labels, 50, 16, picks, scratch)) == bytes(ours)
+    assert scratch.buffer is kept
