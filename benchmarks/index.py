@@ -198,6 +198,7 @@ def bench_build(x: np.ndarray, nlist: int, iters: int, work: Path, executors: li
              faiss_s=round(base, 2), speedup=round(base / ours, 2), stages=st["timings"],
              kmeans=st.get("kmeans"), kmeans_sample=st.get("kmeans_sample"), assign=st.get("assign"),
              assign_cells=st.get("assign_cells"), assign_probe=st.get("assign_probe"),
+             assign_margin=st.get("assign_margin"), assign_cells_probed=st.get("assign_cells_probed"),
              assign_agreement=st.get("assign_agreement"), assign_nprobe=st.get("assign_nprobe"),
              assign_recall_loss_check=st.get("assign_recall_loss"), assign_scan_growth=st.get("assign_scan_growth"),
              assign_check_ms=st.get("assign_check_ms"),
@@ -239,7 +240,8 @@ def bench_scale(n: int, dim: int, nlist: int, iters: int, work: Path, executors:
         process = mem.peak_process - (harness if executor == "local" else 0)
         emit(bench="index_build_scale", n=n, dim=dim, nlist=nlist, executor=executor, partitions=st["partitions"],
              shards=len(manifest.shards), build_s=round(elapsed, 1), stages=st["timings"], kmeans=st.get("kmeans"),
-             assign=st.get("assign"), assign_probe=st.get("assign_probe"),
+             assign=st.get("assign"), assign_probe=st.get("assign_probe"), assign_margin=st.get("assign_margin"),
+             assign_cells_probed=st.get("assign_cells_probed"),
              assign_scan_growth=st.get("assign_scan_growth"), assign_recall_loss_check=st.get("assign_recall_loss"),
              partitions_per_process_mb=round(partition / 2**20), sample_mb=round(sample / 2**20),
              harness_rss_mb=round(harness / 2**20), peak_process_rss_mb=round(mem.peak_process / 2**20),

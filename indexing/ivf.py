@@ -402,6 +402,8 @@ def _coarse_level(
         assign="coarse-level" if level.usable else "exact",
         assign_cells=level.source,
         assign_probe=level.probe,
+        assign_margin=level.margin,
+        assign_cells_probed=level.cells_probed,
         assign_agreement=round(level.agreement, 4),
         assign_nprobe=level.nprobe,
         assign_recall_loss={str(p): loss for p, loss in level.recall_loss.items()},

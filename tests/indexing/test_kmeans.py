@@ -8,6 +8,7 @@ import pytest
 
 from indexing.distributed import huge_page_advice, small_pages
 from indexing.kmeans import (
+    MARGINS,
     MAX_RECALL_LOSS,
     MAX_SCAN_GROWTH,
     CoarseLevel,
@@ -194,6 +195,33 @@ def test_a_coarse_level_over_training_cells_bounds_the_recall_it_costs() -> None
     assert narrow.probe >= level.probe
     everything = CoarseLevel(trained.centroids, level.coarse, level.cells, probe=len(level.cells))
     np.testing.assert_array_equal(everything.search(x)[1], nearest(x, trained.centroids)[1])  # every cell: exact
+
+
+def test_a_margin_skips_the_probed_cells_far_beyond_the_nearest() -> None:
+    x = clustered(30_000, 32, 1000)
+    trained = train_two_level(LocalData(x), 400, 10, seed=1, progress=False)
+    assert trained.cells is not None
+    level = CoarseLevel.from_cells(trained.centroids, trained.cells, trained.counts)
+    level.probe = 8
+    every = level.search(x)[1]
+    level.margin = 1e9  # skips nothing
+    assert (level.probed(x)[1] >= 0).all()
+    np.testing.assert_array_equal(level.search(x)[1], every)
+    level.margin = 0.0  # the nearest cell alone (but for ties)
+    kept = level.probed(x)[1]
+    assert (kept[:, 0] >= 0).all() and np.mean(np.sum(kept >= 0, axis=1)) < 1.01
+    one = CoarseLevel(trained.centroids, level.coarse, level.cells, probe=1).search(x)[1]
+    assert np.mean(level.search(x)[1] == one) > 0.99
+    level.margin = 0.05
+    between = np.sum(level.probed(x)[1] >= 0, axis=1)
+    assert 1 < between.mean() < 8
+    # calibration keeps a margin only while the level stays good enough, and says what it probed
+    level.calibrate(x[:5000], nprobe=40, stop_when_slower=False)
+    assert level.margin is None or level.margin in MARGINS
+    assert level.good_enough(MAX_RECALL_LOSS, MAX_SCAN_GROWTH)
+    assert 1 <= level.cells_probed <= level.probe
+    if level.margin is not None:
+        assert level.cells_probed < level.probe
 
 
 def test_centroids_without_training_cells_are_grouped_by_kmeans() -> None:
