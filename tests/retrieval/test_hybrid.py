@@ -590,3 +590,16 @@ def test_the_keyword_build_makes_its_documents_with_the_collector_off(
     build(lake, tmp_path / "index", executor="local")
     assert len(seen) == 200 and not any(seen)
     assert gc.isenabled()
+
+
+def test_a_documents_acl_terms_make_it_public_a_groups_or_nobodys(tmp_path: Path) -> None:
+    index = KeywordIndex(tmp_path, create=True)
+    index.add([
+        document(1, None, "ledger", None),  # no ACL: public
+        document(2, None, "ledger", []),  # empty: public
+        document(3, None, "ledger", ["hr", None]),  # hr's (a null group grants nothing)
+        document(4, None, "ledger", [None]),  # only null groups: nobody's
+    ])  # fmt: skip
+    assert {m.key for m in index.search(terms("ledger"), frozenset(), 10)} == {1, 2}
+    assert {m.key for m in index.search(terms("ledger"), frozenset({"hr"}), 10)} == {1, 2, 3}
+    assert {m.key for m in index.search(terms("ledger"), frozenset({"hr", "None", ""}), 10)} == {1, 2, 3}
