@@ -82,11 +82,11 @@ def nearest(vectors: Matrix, centroids: Matrix) -> tuple[npt.NDArray[np.float32]
 
 
 #: rows whose sums ``partial_sums`` adds in float32 before adding them to its float64 total:
-#: within about 1e-6 (relative) of float64 throughout, where float32 over all the rows drifts
-#: on big lists (one list of 60k vectors: 1.4e-6 against 9.3e-6). Summing everything in float64 cast all the
-#: vectors to a fresh float64 copy on every step: at 1M × 384 and 4,000 lists, that cast
-#: (mostly the page faults of its copies) was the largest single cost of two-level k-means
-#: (7 of a build's 47 CPU seconds)
+#: within about 1e-6 (relative) of float64 throughout, where float32 over all the rows
+#: drifts on big lists (one list of 60k vectors: 1.4e-6 against 9.3e-6). Summing in float64
+#: cast all the vectors to a fresh float64 copy on every step: at 1M × 384 and 4,000 lists
+#: that cast (mostly the page faults of its copies) was the largest single cost of two-level
+#: k-means (7 of a build's 47 CPU seconds)
 SUM_BLOCK = 8_192
 
 
@@ -647,7 +647,9 @@ class CoarseLevel:
             coarse.add(self.coarse)
         dist, cells = coarse.search(np.ascontiguousarray(vectors, dtype=np.float32), self.probe)
         if self.margin is not None:
-            cells[dist > dist[:, :1] * (1 + self.margin)] = -1
+            far = dist > np.maximum(dist[:, :1], 0) * (1 + self.margin)
+            far[:, 0] = False  # the nearest cell always, even at a distance of 0 (or a rounding below)
+            cells[far] = -1
         return dist, cells
 
     def search(self, vectors: Matrix) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
@@ -666,9 +668,8 @@ class CoarseLevel:
         def one(lo: int) -> None:
             block = np.ascontiguousarray(vectors[lo : lo + ASSIGN_BLOCK], dtype=np.float32)
             probed = self.probed(block, coarse)[1]
-            order = np.argsort(
-                probed, axis=None, kind="stable"
-            )  # (row, cell) pairs grouped by cell, skipped (-1) first
+            # (row, cell) pairs grouped by cell, those a margin skips (-1) first
+            order = np.argsort(probed, axis=None, kind="stable")
             rows_of = order // self.probe
             bounds = np.searchsorted(probed.ravel()[order], np.arange(len(self.cells) + 1))
             for c, members in enumerate(self.cells):

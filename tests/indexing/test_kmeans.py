@@ -215,6 +215,8 @@ def test_a_margin_skips_the_probed_cells_far_beyond_the_nearest() -> None:
     level.margin = 0.05
     between = np.sum(level.probed(x)[1] >= 0, axis=1)
     assert 1 < between.mean() < 8
+    on = level.coarse[:50]  # vectors on coarse centroids (distance 0) keep their nearest cell
+    assert (level.probed(on)[1][:, 0] >= 0).all() and (level.search(on)[1] >= 0).all()
     # calibration keeps a margin only while the level stays good enough, and says what it probed
     level.calibrate(x[:5000], nprobe=40, stop_when_slower=False)
     assert level.margin is None or level.margin in MARGINS
