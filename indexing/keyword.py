@@ -32,7 +32,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -331,24 +330,6 @@ def shard_documents(shard: int, ids: pa.Table) -> Iterable[tantivy.Document]:
         yield document(base | fid, title, text, acl, chunk_id)
 
 
-def _id_maps(store: ObjectStore, shards: list[ShardRef]) -> Iterator[pa.Table]:
-    """Each shard's id map (the keyword columns), in order, the next one fetched, verified and
-    decoded on a thread while the caller makes documents of this one (that work releases
-    the GIL; making documents does not)."""
-
-    def load(ref: ShardRef) -> pa.Table:
-        table = ListTable.from_bytes(get_verified(store, ref.table)) if ref.id_blocks and ref.table else None
-        return decode_id_map(get_verified(store, ref.ids), ref.id_blocks, [*COLUMNS, "faiss_id"], table)
-
-    with ThreadPoolExecutor(1) as pool:
-        ahead = [pool.submit(load, ref) for ref in shards[:1]]
-        for at in range(len(shards)):
-            ids = ahead.pop().result()
-            if at + 1 < len(shards):
-                ahead.append(pool.submit(load, shards[at + 1]))
-            yield ids
-
-
 @contextmanager
 def collection_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off meanwhile (as it was before, afterwards).
@@ -379,10 +360,9 @@ def build_keyword_index(
         writer = index.index.writer(heap_size=WRITER_HEAP * 2, num_threads=2)
         docs = 0
         with collection_paused():
-            id_maps = tqdm(
-                _id_maps(store, shards), total=len(shards), desc="keyword index", disable=not progress, leave=False
-            )
-            for s, ids in enumerate(id_maps):
+            for s, ref in enumerate(tqdm(shards, desc="keyword index", disable=not progress, leave=False)):
+                table = ListTable.from_bytes(get_verified(store, ref.table)) if ref.id_blocks and ref.table else None
+                ids = decode_id_map(get_verified(store, ref.ids), ref.id_blocks, [*COLUMNS, "faiss_id"], table)
                 for doc in shard_documents(s, ids):
                     writer.add_document(doc)
                     docs += 1
