@@ -560,7 +560,7 @@ def _local_shard(
     nlist: int, dim: int, codec: Codec | None, scratch: Scratch,
 ) -> ShardRef:  # fmt: skip
     """A shard built in this process from the partitions' rows of its lists (copied only now)."""
-    blocks = [_block(p, start, end, copy=codec is not None) for p in parts]
+    blocks = [_block(p, start, end, copy=False) for p in parts]  # gathered where the shard's codec needs them
     return build_shard(store_uri, settings, prefix, start, end, nlist, dim, codec, *blocks, scratch=scratch)
 
 

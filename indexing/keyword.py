@@ -136,11 +136,17 @@ def _suffixes(name: str) -> list[str]:
     return [".".join(parts[i:]) for i in range(len(parts))]
 
 
+def may_define(text: str) -> bool:
+    """Whether any of ``_DEFINITIONS`` can match ``text`` (it holds one of ``_NEEDS``),
+    found at C speed: most chunks define nothing."""
+    return ".. " in text or "def" in text or "class" in text or "#" in text
+
+
 def definitions(text: str) -> list[str]:
     """The names ``_DEFINITIONS`` find in a text, in pattern order; a pattern runs only when
     the text holds what it needs (``_NEEDS``)."""
-    if ".. " not in text and "def" not in text and "class" not in text and "#" not in text:
-        return []  # none can match: the common case, found at C speed
+    if not may_define(text):
+        return []  # none can match: the common case
     return [name for pattern, needs in zip(_DEFINITIONS, _NEEDS, strict=True)
             if any(n in text for n in needs) for name in pattern.findall(text)]  # fmt: skip
 
@@ -194,9 +200,10 @@ def document(
     if title:
         doc.add_text("title", title)
     doc.add_text("text", text or "")
-    # the checks of ``definitions`` inline: most chunks define nothing (a million documents
-    # are made per million rows of a build; each call saved is a share of its keyword stage)
-    if text and (".. " in text or "def" in text or "class" in text or "#" in text):
+    # asked here, not only in ``definitions``: most chunks define nothing, and a build makes a
+    # document per row (the calls to ``defined_names`` and ``definitions`` it saves were a
+    # share of the 1M keyword stage)
+    if text and may_define(text):
         for name in defined_names(text, title):  # an index without the field (built before it) ignores them
             doc.add_text("names", name)
     if acl:
