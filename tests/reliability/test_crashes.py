@@ -10,9 +10,12 @@ way: this is about the pipeline's state, not the vectors.
 
 from __future__ import annotations
 
+import json
 import random
+import re
 import subprocess
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,7 @@ from pipelines.flow import Runtime
 from pipelines.lake import Lake
 from pipelines.settings import IngestSettings
 from serving.embedder import load_embedder
-from tests.corpus import make_corpus
+from tests.corpus import Corpus, make_corpus
 from tests.integration.helpers import (
     chunks_embedded,
     delta_commits,
@@ -29,11 +32,53 @@ from tests.integration.helpers import (
     ingest_args,
     kill_group,
     produce,
+    read_topic,
     start,
 )
-from tests.oracle import assert_lake_matches
+from tests.oracle import DOC_PREFIX, assert_lake_matches, expected_state, lake_state
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
+
+#: ingest log lines that say where a run resumed, skipped or stopped reading
+_TELLING = re.compile(r"skipped on replay|idle at offset|consumer error|resum|Traceback|ERROR|WARNING")
+
+
+def assert_lake_matches_explained(broker: str, topic: str, lake_dir: Path, corpus: Corpus, log: Path) -> None:
+    """``assert_lake_matches``, and on a mismatch what a reader needs to find the cause: for
+    each document in question, its events (partition, offset) and every lake row of it, the
+    lake rows of its neighbours in the partition, and what the runs logged about resuming."""
+    settings = IngestSettings(topics=["x"], lake=str(lake_dir), model="fake")
+    chunker = Runtime(settings, load_embedder("fake")).chunker
+    lake = Lake.at(str(lake_dir))
+    try:
+        assert_lake_matches(lake, corpus, chunker)
+    except AssertionError as exc:
+        expected, actual = expected_state(corpus, chunker), lake_state(lake)
+        docs = sorted({row[0] for row in (expected - actual) | (actual - expected)})[:5]
+        raise AssertionError(f"{exc}\n{_explain(broker, topic, lake, docs, log)}") from None
+
+
+def _explain(broker: str, topic: str, lake: Lake, docs: list[str], log: Path) -> str:
+    events: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for msg in read_topic(broker, topic):
+        try:
+            pk = json.loads(msg.key())["id"]
+        except (TypeError, ValueError, KeyError):
+            continue
+        events[DOC_PREFIX + str(pk)].append((msg.partition(), msg.offset()))
+    cols = ["doc_id", "op", "kafka_partition", "kafka_offset", "writer", "writer_seq"]
+    rows = [tuple(r.values()) for r in lake.read("chunks", columns=cols).to_pylist()]
+    out = [f"lake rows: {cols}"]
+    for doc in docs:
+        out.append(f"{doc}: events {events.get(doc)}; lake rows {[r for r in rows if r[0] == doc]}")
+        for part, offset in events.get(doc, []):
+            near = sorted((r for r in rows if r[2] == part), key=lambda r: r[3])
+            before = [r for r in near if r[3] < offset][-2:]
+            after = [r for r in near if r[3] > offset][:2]
+            out.append(f"  partition {part} around offset {offset}: before {before} after {after}")
+    told = [line for line in log.read_text(errors="replace").splitlines() if _TELLING.search(line)]
+    out.append("ingest log:\n" + "\n".join(told[-60:]))
+    return "\n".join(out)
 
 
 def test_five_random_kill_9s_of_two_workers_leave_the_clean_run_result(broker: str, tmp_path: Path) -> None:
@@ -60,9 +105,7 @@ def test_five_random_kill_9s_of_two_workers_leave_the_clean_run_result(broker: s
     assert kills >= 5, f"only {kills} kills before the job finished; make the stream longer"
     final = start(args, None, log)
     assert final.wait(600) == 0, log.read_text()[-3000:]
-    settings = IngestSettings(topics=["x"], lake=str(lake_dir), model="fake")
-    chunker = Runtime(settings, load_embedder("fake")).chunker
-    assert_lake_matches(Lake.at(str(lake_dir)), corpus, chunker)
+    assert_lake_matches_explained(broker, topic, lake_dir, corpus, log)
 
 
 def test_kill_9s_across_a_rescale_from_two_to_three_workers_leave_the_clean_run_result(
@@ -102,6 +145,4 @@ def test_kill_9s_across_a_rescale_from_two_to_three_workers_leave_the_clean_run_
     assert all(n > 0 for n in embedded), f"chunks embedded per process of the 3-worker runs: {embedded}"
     writers = set(Lake.at(str(lake_dir)).read("chunks", columns=["writer"]).column("writer").to_pylist())
     assert writers == {"ingest:chunks:000", "ingest:chunks:001"}, writers
-    settings = IngestSettings(topics=["x"], lake=str(lake_dir), model="fake")
-    chunker = Runtime(settings, load_embedder("fake")).chunker
-    assert_lake_matches(Lake.at(str(lake_dir)), corpus, chunker)
+    assert_lake_matches_explained(broker, topic, lake_dir, corpus, log)
