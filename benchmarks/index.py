@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -475,12 +476,14 @@ def bench_keyword(n: int, work: Path) -> None:
     from indexing.manifest import ShardRef
 
     store = LocalStore(str(work / "kw-store"))
-    shards, texts_all = [], []
+    shards, texts_all, chunk_ids_all = [], [], []
     for s, start in enumerate(range(0, n, 40_000)):
         texts = synthetic_texts(min(40_000, n - start), seed=s)
         texts_all.append(texts)
+        chunk_ids = [hashlib.sha256(f"{start + i}".encode()).hexdigest()[:32] for i in range(len(texts))]
         ids = pa.table({"title": ["t"] * len(texts), "text": texts, "acl": [[] for _ in texts],
-                        "faiss_id": np.arange(len(texts), dtype=np.int64)})  # fmt: skip
+                        "chunk_id": chunk_ids, "faiss_id": np.arange(len(texts), dtype=np.int64)})  # fmt: skip
+        chunk_ids_all.append(chunk_ids)
         sink = pa.BufferOutputStream()
         pq.write_table(ids, sink, compression="zstd")
         ref = put_file(store, f"shard-{s}.ids.parquet", sink.getvalue().to_pybytes())
@@ -495,7 +498,7 @@ def bench_keyword(n: int, work: Path) -> None:
     writer = plain.index.writer(heap_size=WRITER_HEAP * 2, num_threads=2)
     for s, texts in enumerate(texts_all):
         for i, text in enumerate(texts):
-            writer.add_document(document(s << 32 | i, "t", text, None))
+            writer.add_document(document(s << 32 | i, "t", text, None, chunk_ids_all[s][i]))
     writer.commit()
     writer.wait_merging_threads()
     raw = time.perf_counter() - t
