@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow as pa
 from bytewax.connectors.kafka import KafkaError, KafkaSource, KafkaSourceMessage, _list_parts
 from bytewax.inputs import StatefulSourcePartition
+from confluent_kafka import KafkaError as ConfluentKafkaError
 from confluent_kafka import KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -29,6 +30,15 @@ IDLE_POLL_MS = 10
 
 #: librdkafka's default partitioner differs from Java's; Debezium (Java) uses murmur2.
 PRODUCER_DEFAULTS = {"partitioner": "murmur2_random", "enable.idempotence": "true", "acks": "all"}
+
+
+#: what librdkafka does when the offset to read from is no longer on the topic (retention
+#: deleted it while the job was down or behind): report it (``ERR__AUTO_OFFSET_RESET``, which
+#: stops the job, see ``_IdlePartition``) instead of its default, ``latest``, which jumps to the
+#: end of the partition past every change still retained, silently. ``auto.offset.reset=earliest``
+#: in the ``--kafka-config`` file (or ``STREAMRAG_KAFKA_AUTO_OFFSET_RESET=earliest``) accepts the
+#: loss and reads what is left.
+OFFSET_RESET = {"auto.offset.reset": "error"}
 
 
 class KafkaIOError(RuntimeError):
@@ -50,7 +60,8 @@ class _IdlePartition(StatefulSourcePartition[SourceItem, Any]):
     batches, and ending then would finish a run with exit 0 and events unread. The idle
     clock starts at the first poll, not when the partition is built (recovery and model
     loading can take longer than ``idle_s``). If the broker cannot say where the partition
-    ends for ``UNCONFIRMED_LIMIT_S`` (or ``idle_s`` if longer), the partition raises."""
+    ends for ``UNCONFIRMED_LIMIT_S`` (or ``idle_s`` if longer), the partition raises. So does
+    a partition whose offset to read from is no longer on the topic (``OFFSET_RESET``)."""
 
     #: how long a partition may stay idle without the broker confirming it has been read to the end
     UNCONFIRMED_LIMIT_S = 60.0
@@ -63,7 +74,11 @@ class _IdlePartition(StatefulSourcePartition[SourceItem, Any]):
         self._awake: datetime | None = None
 
     def next_batch(self) -> list[SourceItem]:
+        reading_from = getattr(self._inner, "_offset", None)
         batch = list(self._inner.next_batch())
+        for item in batch:
+            if isinstance(item, KafkaError) and item.err.code() == ConfluentKafkaError._AUTO_OFFSET_RESET:
+                raise self._offset_lost(item, reading_from)
         now = time.monotonic()
         if self._last is None:
             self._last = now
@@ -79,6 +94,18 @@ class _IdlePartition(StatefulSourcePartition[SourceItem, Any]):
         # about 1% of a core and adds 5 ms on average to a change on a quiet stream.
         self._awake = datetime.now(UTC) + timedelta(milliseconds=IDLE_POLL_MS)
         return batch
+
+    def _offset_lost(self, item: KafkaError[bytes | None, bytes | None], reading_from: int | None) -> KafkaIOError:
+        """The error that stops the job when the offset to read from is gone (``OFFSET_RESET``):
+        raised before the partition's position moves, so no snapshot records the jump."""
+        where = f"{item.msg.topic or getattr(self._inner, '_topic', '?')}[{item.msg.partition}]"
+        return KafkaIOError(
+            f"{where}: offset {reading_from} is no longer on the topic ({item.err.str()}): retention deleted "
+            "changes this job had not read, and reading on would leave the lake without them (a lost delete "
+            "keeps a document searchable). Re-snapshot the source into a new lake and recovery directory, "
+            "or accept the loss: auto.offset.reset=earliest in the --kafka-config file "
+            "(STREAMRAG_KAFKA_AUTO_OFFSET_RESET=earliest)."
+        )
 
     def _read_to_the_end(self, now: float) -> bool:
         """Whether the next offset to read is at the partition's high watermark."""
@@ -120,7 +147,7 @@ class _IdlePartition(StatefulSourcePartition[SourceItem, Any]):
 
 
 #: consumer properties the job sets that an admin client does not take
-_CONSUMER_ONLY = frozenset({"fetch.wait.max.ms"})
+_CONSUMER_ONLY = frozenset({"fetch.wait.max.ms", *OFFSET_RESET})
 
 
 class IdleStoppingKafkaSource(KafkaSource):
@@ -134,8 +161,9 @@ class IdleStoppingKafkaSource(KafkaSource):
         add_config: dict[str, str] | None = None,
     ) -> None:
         super().__init__(
-            list(brokers), list(topics), tail=True, add_config=add_config, batch_size=500, raise_on_errors=False
-        )
+            list(brokers), list(topics), tail=True, add_config={**OFFSET_RESET, **(add_config or {})},
+            batch_size=500, raise_on_errors=False,
+        )  # fmt: skip
         self._idle_s = idle_s
 
     def list_parts(self) -> list[str]:

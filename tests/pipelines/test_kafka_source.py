@@ -1,4 +1,5 @@
-"""When an ``--until-idle`` partition may end: only once it has read everything the broker holds."""
+"""When an ``--until-idle`` partition may end: only once it has read everything the broker holds;
+and an offset that retention deleted before the job read it stops the job."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import time
 from typing import Any
 
 import pytest
+from bytewax.connectors.kafka import KafkaError, KafkaSourceMessage
+from confluent_kafka import KafkaError as ConfluentKafkaError
 from confluent_kafka import KafkaException, Producer, TopicPartition
 
 from pipelines.broker import ensure_topics
@@ -63,11 +66,16 @@ class _Consumer:
 class _Partition:
     """Bytewax's Kafka partition as the wrapper sees it: polls that come back empty."""
 
-    def __init__(self, consumer: _Consumer, offset: int) -> None:
+    def __init__(self, consumer: _Consumer, offset: int, batches: list[list[Any]] | None = None) -> None:
         self._consumer, self._topic, self._part_idx, self._offset = consumer, "t", 0, offset
+        self._batches = batches or []
 
     def next_batch(self) -> list[Any]:
-        return []
+        if not self._batches:
+            return []
+        batch = self._batches.pop(0)
+        self._offset = max(self._offset, *(item.msg.offset + 1 for item in batch))  # as bytewax does, errors too
+        return batch
 
     def snapshot(self) -> Any:
         return self._offset
@@ -98,4 +106,28 @@ def test_a_broker_that_cannot_say_where_a_partition_ends_fails_the_run_instead_o
     assert part.next_batch() == []  # not confirmed yet: read on
     time.sleep(0.4)
     with pytest.raises(KafkaIOError, match="has not said where it ends"):
+        part.next_batch()
+
+
+def _consumer_error(code: int, text: str) -> KafkaError[bytes | None, bytes | None]:
+    return KafkaError(
+        ConfluentKafkaError(code, text), KafkaSourceMessage(None, None, topic="t", offset=-1001, partition=0)
+    )
+
+
+def test_an_offset_that_retention_deleted_stops_the_job_instead_of_skipping_ahead() -> None:
+    """librdkafka's default on an offset no longer on the topic is to jump to the partition's end,
+    past every retained change; the source asks it to report that instead, and stops."""
+    source = IdleStoppingKafkaSource(["127.0.0.1:1"], ["t"], add_config={"fetch.wait.max.ms": "10"})
+    assert source._add_config == {"auto.offset.reset": "error", "fetch.wait.max.ms": "10"}
+    accepted = IdleStoppingKafkaSource(["127.0.0.1:1"], ["t"], add_config={"auto.offset.reset": "earliest"})
+    assert accepted._add_config["auto.offset.reset"] == "earliest"  # the operator may accept the loss
+
+    transient = _consumer_error(ConfluentKafkaError._TRANSPORT, "broker down")
+    part = _IdlePartition(_Partition(_Consumer(high=10), offset=7, batches=[[transient]]), idle_s=None)  # type: ignore[arg-type]
+    assert part.next_batch() == [transient]  # other consumer errors go on to the flow, which logs them
+    lost = _consumer_error(ConfluentKafkaError._AUTO_OFFSET_RESET, "Fetch position offset 7 is out of range")
+    part = _IdlePartition(_Partition(_Consumer(high=10), offset=7, batches=[[lost]]), idle_s=None)  # type: ignore[arg-type]
+    accept = "auto.offset.reset=earliest in the --kafka-config file"
+    with pytest.raises(KafkaIOError, match=rf"t\[0\]: offset 7 is no longer on the topic .*{accept}"):
         part.next_batch()
