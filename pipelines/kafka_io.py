@@ -96,8 +96,9 @@ class _IdlePartition(StatefulSourcePartition[SourceItem, Any]):
         return batch
 
     def _offset_lost(self, item: KafkaError[bytes | None, bytes | None], reading_from: int | None) -> KafkaIOError:
-        """The error that stops the job when the offset to read from is gone (``OFFSET_RESET``):
-        raised before the partition's position moves, so no snapshot records the jump."""
+        """The error that stops the job when the offset to read from is gone (``OFFSET_RESET``),
+        raised in the poll that returned it: bytewax takes an error's offset as the partition's
+        position too, and a snapshot after this poll would record it."""
         where = f"{item.msg.topic or getattr(self._inner, '_topic', '?')}[{item.msg.partition}]"
         return KafkaIOError(
             f"{where}: offset {reading_from} is no longer on the topic ({item.err.str()}): retention deleted "
