@@ -76,9 +76,17 @@ class _IdlePartition(StatefulSourcePartition[SourceItem, Any]):
     def next_batch(self) -> list[SourceItem]:
         reading_from = getattr(self._inner, "_offset", None)
         batch = list(self._inner.next_batch())
-        for item in batch:
-            if isinstance(item, KafkaError) and item.err.code() == ConfluentKafkaError._AUTO_OFFSET_RESET:
+        errors = [item for item in batch if isinstance(item, KafkaError)]
+        for item in errors:
+            if item.err.code() == ConfluentKafkaError._AUTO_OFFSET_RESET:
                 raise self._offset_lost(item, reading_from)
+        if errors and reading_from is not None:
+            # bytewax takes the last item's offset + 1 as the partition's position, errors too,
+            # and a consumer error carries offset -1001: the position would become -1000 (librdkafka's
+            # OFFSET_STORED) until the next message, and a snapshot taken meanwhile would resume
+            # the partition wherever auto.offset.reset says, not where it was.
+            read = [item.offset for item in batch if isinstance(item, KafkaSourceMessage) and item.offset is not None]
+            self._inner._offset = max([reading_from, *(offset + 1 for offset in read)])  # type: ignore[attr-defined]
         now = time.monotonic()
         if self._last is None:
             self._last = now

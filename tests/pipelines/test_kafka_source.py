@@ -74,7 +74,8 @@ class _Partition:
         if not self._batches:
             return []
         batch = self._batches.pop(0)
-        self._offset = max(self._offset, *(item.msg.offset + 1 for item in batch))  # as bytewax does, errors too
+        last = batch[-1]
+        self._offset = (last.msg if isinstance(last, KafkaError) else last).offset + 1  # as bytewax does, errors too
         return batch
 
     def snapshot(self) -> Any:
@@ -131,3 +132,17 @@ def test_an_offset_that_retention_deleted_stops_the_job_instead_of_skipping_ahea
     accept = "auto.offset.reset=earliest in the --kafka-config file"
     with pytest.raises(KafkaIOError, match=rf"t\[0\]: offset 7 is no longer on the topic .*{accept}"):
         part.next_batch()
+
+
+def test_a_consumer_error_does_not_move_the_position_that_a_snapshot_records() -> None:
+    """bytewax takes the last item's offset + 1 as the partition's position, and a consumer error
+    carries offset -1001: a snapshot between the error and the next message would record -1000
+    (librdkafka's OFFSET_STORED), and a resume would start wherever auto.offset.reset says."""
+    message = KafkaSourceMessage(b"k", b"v", topic="t", offset=7, partition=0)
+    transient = _consumer_error(ConfluentKafkaError._TRANSPORT, "broker down")
+    inner = _Partition(_Consumer(high=10), offset=5, batches=[[message, transient], [transient]])
+    part = _IdlePartition(inner, idle_s=None)  # type: ignore[arg-type]
+    assert part.next_batch() == [message, transient]
+    assert part.snapshot() == 8
+    assert part.next_batch() == [transient]
+    assert part.snapshot() == 8
