@@ -25,6 +25,7 @@ from pipelines import secrets
 from pipelines.broker import die_with_parent, ensure_topics, free_port
 from pipelines.kafka_io import KafkaIOError
 from pipelines.lake import Lake
+from pipelines.recovery import drop_unfinished_epochs
 from pipelines.settings import IngestSettings
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ def prepare(settings: IngestSettings) -> IngestSettings:
         rdir.mkdir(parents=True, exist_ok=True)
         if not any(rdir.glob("part-*.sqlite3")):
             init_db_dir(rdir, settings.workers)
+        else:
+            drop_unfinished_epochs(rdir)
     else:
         log.warning(
             "no --recovery-dir: every run re-reads the topics from the start "
