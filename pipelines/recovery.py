@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 
 def resume_epoch(parts: list[sqlite3.Connection]) -> int | None:
     """The epoch the next run resumes at: the last run's lowest worker frontier, or the epoch
-    it resumed at itself when not every one of its workers recorded a frontier. None: no run yet."""
+    it resumed at itself when not every one of its workers recorded a frontier (bytewax 0.21's
+    own rule: a run whose worker 1 had recorded none was resumed where it had begun, not at
+    worker 0's frontier). None: no run yet."""
     runs = [row for conn in parts for row in conn.execute("SELECT ex_num, worker_count, resume_epoch FROM exs")]
     if not runs:
         return None

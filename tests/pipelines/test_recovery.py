@@ -7,6 +7,7 @@ run's snapshot under a finished label, and the run after loads it (``pipelines.r
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import time
@@ -54,3 +55,48 @@ def test_a_killed_runs_unfinished_epoch_is_not_resumed_by_the_run_after_next(tmp
     _run(recovery, tmp_path / "out3", block_after=0, quiet_s=0.0, kill_after_s=None)
     assert (tmp_path / "out3").exists()
     assert _wrong_counts(tmp_path / "out3") == []
+
+
+Rows = list[tuple[int, int, int]]
+
+
+def _partition(path: Path, exs: Rows, fronts: Rows, snaps: list[int]) -> None:
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("CREATE TABLE exs (ex_num INTEGER, worker_count INTEGER, resume_epoch INTEGER)")
+        conn.execute("CREATE TABLE fronts (ex_num INTEGER, worker_index INTEGER, worker_frontier INTEGER)")
+        conn.execute("CREATE TABLE snaps (step_id TEXT, state_key TEXT, snap_epoch INTEGER, ser_change BLOB)")
+        conn.executemany("INSERT INTO exs VALUES (?, ?, ?)", exs)
+        conn.executemany("INSERT INTO fronts VALUES (?, ?, ?)", fronts)
+        conn.executemany("INSERT INTO snaps VALUES ('s', 'k', ?, NULL)", [(e,) for e in snaps])
+    conn.close()
+
+
+def _epochs_left(path: Path) -> list[int]:
+    conn = sqlite3.connect(path)
+    try:
+        return sorted(e for (e,) in conn.execute("SELECT snap_epoch FROM snaps"))
+    finally:
+        conn.close()
+
+
+def test_the_resume_epoch_is_the_last_runs_lowest_frontier_or_its_start_when_a_worker_recorded_none(
+    tmp_path: Path,
+) -> None:
+    """As bytewax computes it (checked against bytewax 0.21: a run whose worker 1 recorded no
+    frontier was resumed at the epoch it had started at, not at worker 0's frontier)."""
+    every = tmp_path / "every"
+    every.mkdir()
+    _partition(every / "part-0.sqlite3", [(0, 2, 1)], [(1, 0, 7)], [1, 3, 6, 7, 8])
+    _partition(every / "part-1.sqlite3", [(1, 3, 4)], [(1, 1, 6), (1, 2, 9)], [5, 6, 9])
+    assert drop_unfinished_epochs(every) == 5  # ex 1 resumes at min(7, 6, 9) = 6
+    assert _epochs_left(every / "part-0.sqlite3") == [1, 3] and _epochs_left(every / "part-1.sqlite3") == [5]
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    _partition(missing / "part-0.sqlite3", [(0, 2, 1), (1, 3, 4)], [(1, 0, 7), (1, 1, 8)], [3, 4, 7])
+    assert drop_unfinished_epochs(missing) == 2  # worker 2 of ex 1 recorded no frontier: from 4, where ex 1 began
+    assert _epochs_left(missing / "part-0.sqlite3") == [3]
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    _partition(fresh / "part-0.sqlite3", [], [], [])
+    assert drop_unfinished_epochs(fresh) == 0
