@@ -1,7 +1,9 @@
 """The streaming job as a Bytewax dataflow: Kafka → decode → per-document diff → embed → lake.
 
 Run it with ``streamrag ingest`` or ``python -m bytewax.run "pipelines.flow:build_flow()"``
-(settings from ``STREAMRAG_INGEST_*`` variables).
+(settings from ``STREAMRAG_INGEST_*`` variables). The latter skips the job's preparation
+(``pipelines.runner.prepare``): the lake's tables must exist, and a recovery directory reused
+across kills can resume state from an unfinished epoch (``pipelines.recovery``).
 """
 
 from __future__ import annotations

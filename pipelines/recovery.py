@@ -10,10 +10,10 @@ changes whose rows were never committed: on replay they are stale, and the rows 
 (the rescale crash test lost 9–11 inserted documents about once in 40 runs; reproduced with
 bytewax alone in ``tests/pipelines/test_recovery.py``).
 
-So before each run the snapshots labelled at or after the epoch the run will resume at are
-deleted. Deleting more than that would still be safe (every key and source partition falls
-back to an older, consistent cut, and the lake writers' replay-skip covers the rows
-committed since), only slower; deleting less is the bug.
+So before each run (``runner.prepare``) the snapshots labelled at or after the epoch the run
+will resume at are deleted: computed by bytewax's own rule (``resume_epoch``), they are exactly
+the snapshots that no run may load. ``python -m bytewax.run`` on the flow skips this (and the
+rest of ``prepare``): run the job with ``streamrag ingest``.
 """
 
 from __future__ import annotations
