@@ -71,6 +71,8 @@ _DEFINITIONS = (
 #: looking for these is a fraction of running the patterns (which took 6 of a document's
 #: 9 µs, the largest part of building a keyword index)
 _NEEDS: tuple[tuple[str, ...], ...] = ((".. ",), ("def", "class"), ("#",))
+#: every substring of ``_NEEDS``, in one tuple: a text holding none of them defines nothing
+_ANY_NEED = tuple(dict.fromkeys(need for needs in _NEEDS for need in needs))
 #: the module a chunk's definitions belong to: a Sphinx module directive in the chunk, else
 #: its document's title (``:mod:`os` --- ...`` in reST, ``os — ...`` as rendered)
 _MODULE = re.compile(r"^\s*\.\. (?:py:)?(?:module|currentmodule)::\s*([\w.]+)", re.M)
@@ -139,9 +141,13 @@ def _suffixes(name: str) -> list[str]:
 
 
 def may_define(text: str) -> bool:
-    """Whether any of ``_DEFINITIONS`` can match ``text`` (it holds one of ``_NEEDS``),
-    found at C speed: most chunks define nothing."""
-    return ".. " in text or "def" in text or "class" in text or "#" in text
+    """Whether any of ``_DEFINITIONS`` can match ``text`` (it holds one of ``_NEEDS``): most
+    chunks define nothing. A plain loop over ``_ANY_NEED`` (60 ns a call more than the four
+    checks written out, which repeated ``_NEEDS`` and could have drifted from it)."""
+    for need in _ANY_NEED:
+        if need in text:
+            return True
+    return False
 
 
 def definitions(text: str) -> list[str]:
