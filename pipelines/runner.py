@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from pipelines.kafka_io import KafkaIOError
 from pipelines.lake import Lake
 from pipelines.recovery import drop_unfinished_epochs
 from pipelines.settings import IngestSettings
+from serving.process import bind_error
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +158,56 @@ def run_member(settings: IngestSettings, process_id: int, addresses: list[str], 
     return 0
 
 
+#: a child's exit status when its cluster address was taken before it could listen on it
+_EXIT_ADDRESS_IN_USE = 75
+_CLUSTER_START_TRIES = 3
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def cluster_addresses(n: int) -> list[str]:
+    """``n`` free loopback addresses for a local cluster's processes, below the ephemeral range.
+
+    A port the kernel hands out as free (bind to 0) is an ephemeral port, and the processes
+    connecting to their peers (and to Kafka) take ephemeral ports as their local ends: one
+    could take a peer's port in the second between choosing it and that peer listening on
+    it. Ports below the range are only ever taken by a listener that asks for them.
+    """
+    floor = _ephemeral_floor()
+    low = 10_000 if floor > 11_000 else 1_024
+    rng = random.SystemRandom()
+    ports: list[int] = []
+    for _ in range(100 * n):
+        if len(ports) == n:
+            break
+        port = rng.randrange(low, floor) if floor > low else free_port()
+        if port not in ports and bind_error("127.0.0.1", port) is None:
+            ports.append(port)
+    while len(ports) < n:  # a crowded range below: the kernel's choice (as before)
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return [f"127.0.0.1:{p}" for p in ports]
+
+
 def _run_cluster(settings: IngestSettings) -> int:
-    addresses = [f"127.0.0.1:{free_port()}" for _ in range(settings.workers)]
+    """Run the cluster; start it again on other ports when a child could not listen on its own."""
+    for attempt in range(1, _CLUSTER_START_TRIES + 1):
+        status = _run_cluster_once(settings, cluster_addresses(settings.workers))
+        if status != _EXIT_ADDRESS_IN_USE or attempt == _CLUSTER_START_TRIES:
+            return status
+        log.warning("a cluster address was taken before its process listened on it; starting again on other ports")
+        if settings.recovery_dir:
+            # the stopped processes may have begun an epoch: the same cleanup as after a crash
+            drop_unfinished_epochs(Path(settings.recovery_dir))
+    raise AssertionError("unreachable")
+
+
+def _run_cluster_once(settings: IngestSettings, addresses: list[str]) -> int:
     env = {**os.environ, _SETTINGS_ENV: settings.model_dump_json()}
     children = [
         subprocess.Popen(
@@ -175,24 +225,28 @@ def _run_cluster(settings: IngestSettings) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    status = 0
     # every child is polled each round: a generator in any() would stop at the first one
     # running, and the failure of a later one (whose peers then wait for it forever) would
     # go unseen
+    first_failure = 0
     while None in [c.poll() for c in children]:
         failed = [c for c in children if c.returncode not in (None, 0)]
         if failed:
-            status = failed[0].returncode or 1
-            log.error("ingest process %d exited with %s; stopping the others", children.index(failed[0]), status)
+            first_failure = failed[0].returncode
+            log.error(
+                "ingest process %d exited with %s; stopping the others", children.index(failed[0]), failed[0].returncode
+            )
             for c in children:
                 if c.poll() is None:
                     c.kill()
             break
         time.sleep(0.2)
-    for c in children:
-        c.wait()
-        if c.returncode not in (0, None) and status == 0:
-            status = c.returncode
+    codes = [c.wait() for c in children]
+    if _EXIT_ADDRESS_IN_USE in codes:
+        # a peer of the process that could not listen may fail too (a handshake with whatever
+        # holds the port): the address is the cause to report
+        return _EXIT_ADDRESS_IN_USE
+    status = first_failure or next((code for code in codes if code != 0), 0)
     return 0 if status == 0 else (status if status > 0 else 1)
 
 
@@ -209,9 +263,10 @@ def _child_main() -> None:
         run_process(settings, proc_id, addresses)
     except KeyboardInterrupt:
         status = 130
-    except Exception:
+    except Exception as exc:
         log.exception("ingest process %d failed", proc_id)
-        status = 1
+        # bytewax's words when another socket holds this process's cluster address
+        status = _EXIT_ADDRESS_IN_USE if "failed to initialize networking: Address already in use" in str(exc) else 1
     sys.stdout.flush()
     sys.stderr.flush()
     # deltalake's runtime threads can abort interpreter teardown (exit 134): leave directly.

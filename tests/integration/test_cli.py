@@ -172,3 +172,53 @@ def test_a_failing_process_of_a_multi_process_ingest_stops_the_command(broker: s
                 kill_group(proc)
     assert status != 0, (tmp_path / "log").read_text()[-2000:]
     assert "Address already in use" in (tmp_path / "log").read_text()
+
+
+def test_a_cluster_address_taken_before_its_process_listens_starts_the_cluster_again(
+    broker: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The runner chooses the processes' ports and they listen on them a second later; a socket
+    that takes one in between used to fail the whole command ("Address already in use", one
+    crash-test run in 40). The cluster now starts again on other ports, and its work is whole."""
+    import signal as signals
+    import socket
+
+    from pipelines import runner
+    from pipelines.broker import ensure_topics
+    from pipelines.lake import Lake, current_chunks
+    from pipelines.settings import IngestSettings
+    from tests.corpus import make_corpus
+    from tests.integration.helpers import produce
+
+    topic = "cdc.app.public.docs_port_taken"
+    ensure_topics(broker, [topic])
+    corpus = make_corpus(seed=7, docs=6, updates=0, deletes=0)
+    produce(broker, topic, corpus, tmp_path / "e.jsonl")
+    chosen: list[list[str]] = []
+    real = runner.cluster_addresses
+
+    def first_taken(n: int) -> list[str]:
+        addresses = real(n)
+        if not chosen:
+            addresses[1] = f"127.0.0.1:{taken.getsockname()[1]}"
+        chosen.append(addresses)
+        return addresses
+
+    settings = IngestSettings(
+        bootstrap=broker, topics=[topic], lake=str(tmp_path / "lake"), workers=2, until_idle_s=6, model="fake",
+        batch_max_events=8, recovery_dir=str(tmp_path / "rec"),
+    )  # fmt: skip
+    handlers = {s: signals.getsignal(s) for s in (signals.SIGINT, signals.SIGTERM)}
+    monkeypatch.setattr(runner, "cluster_addresses", first_taken)
+    with socket.socket() as taken, caplog.at_level("WARNING", logger="pipelines.runner"):
+        taken.bind(("127.0.0.1", 0))  # bound, not listening: like a connection's local end
+        try:
+            status = runner.run_ingest(settings)
+        finally:
+            for sig, handler in handlers.items():
+                signals.signal(sig, handler)
+    assert status == 0
+    assert len(chosen) == 2 and chosen[1][1] != chosen[0][1]
+    assert "starting again on other ports" in caplog.text
+    live = current_chunks(Lake.at(settings.lake, settings.object_store()), columns=["doc_id"])
+    assert len(live.column("doc_id").unique()) == 6
