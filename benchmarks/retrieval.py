@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -417,6 +417,43 @@ class Target:
         return self.hits(r.json())
 
 
+@dataclass
+class Searches:
+    """One searching client's latencies (s, as the client saw them) and, where the service
+    reports it, each search's own time (ms); filled when its ``searching`` block ends."""
+
+    client: list[float] = field(default_factory=list)
+    server_ms: list[float] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def searching(target: Target, queries: list[str], seed: int) -> Iterator[Searches]:
+    """One client searching ``target`` in a loop for the duration of the block, in a process of
+    its own (``benchmarks/search_client.py``: not behind this process's GIL)."""
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.search_client", target.url, target.route,
+                             "--seed", str(seed), "--k", "10"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(queries) + "\n")
+    proc.stdin.flush()
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"the search client did not start (exit {proc.wait()})")
+    found = Searches()
+    try:
+        yield found
+    finally:
+        out, _ = proc.communicate(timeout=60)  # closes its stdin: it stops, and reports
+    if proc.returncode != 0:
+        raise RuntimeError(f"the search client failed (exit {proc.returncode}); see its stderr above")
+    report = json.loads(out)
+    found.client, found.server_ms = report["latencies_s"], report["server_ms"]
+
+
+def server_percentiles(ms: list[float]) -> dict[str, float] | None:
+    """p50/p99 of the times a service reported for its searches (None if it reports none)."""
+    return percentiles([x / 1000 for x in ms]) if ms else None
+
+
 def streamrag_target(url: str) -> Target:
     return Target("streamrag", url, "/v1/search",
                   lambda body: [(int(x["doc_id"].rsplit("/", 1)[1]), x["text"]) for x in body["results"]])  # type: ignore[call-overload,index]  # fmt: skip
@@ -538,42 +575,22 @@ class Changes:
         plan: list[tuple[int, str | None, str | None]],
         rate: float | None = None,
         timing: bool = True,
-    ) -> tuple[list[float], list[float]]:
+    ) -> tuple[list[float], Searches]:
         """(lags, search latencies of one client searching meanwhile) for changes made at
         ``rate``/s (the stream's rate by default); with ``timing`` off, no change is searched for."""
         rate = rate or self.rate
         every = timed_every(rate)
-        stop = threading.Event()
-        during: list[float] = []
-        rng = random.Random(5)
-
-        def searcher() -> None:
-            with httpx.Client(timeout=30) as http:
-                while not stop.is_set():
-                    t0 = time.perf_counter()
-                    target.search(http, rng.choice(self.queries), 10)
-                    during.append(time.perf_counter() - t0)
-
         start = time.monotonic() + 0.5
-        with ThreadPoolExecutor(1) as side, ThreadPoolExecutor(16) as pool:
-            side.submit(searcher)
-            try:
-                futures = [pool.submit(self.change, target, pk, text, start + i / rate, gone, timing and i % every == 0)
-                           for i, (pk, text, gone) in enumerate(plan)]  # fmt: skip
-                lags = [lag for f in futures if (lag := f.result()) is not None]
-            finally:
-                stop.set()  # else a failed change leaves the searcher, and the benchmark, running forever
+        with searching(target, self.queries, seed=5) as during, ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(self.change, target, pk, text, start + i / rate, gone, timing and i % every == 0)
+                       for i, (pk, text, gone) in enumerate(plan)]  # fmt: skip
+            lags = [lag for f in futures if (lag := f.result()) is not None]
         return lags, during
 
-    def idle(self, target: Target, seconds: float) -> list[float]:
+    def idle(self, target: Target, seconds: float) -> Searches:
         """Search latencies of one client with no changes flowing."""
-        rng, latencies = random.Random(6), []
-        deadline = time.monotonic() + seconds
-        with httpx.Client(timeout=30) as http:
-            while time.monotonic() < deadline:
-                t0 = time.perf_counter()
-                target.search(http, rng.choice(self.queries), 10)
-                latencies.append(time.perf_counter() - t0)
+        with searching(target, self.queries, seed=6) as latencies:
+            time.sleep(seconds)
         return latencies
 
     def run(self, target: Target, updates: list[tuple[int, str]], deletes: list[int]) -> dict[str, Any]:
@@ -608,9 +625,12 @@ class Changes:
         return dict(not_visible_after_60_s=invisible, superseded_after_s=self.superseded, updates=len(lags),
                     p50_ms=pct(lags, 50), p95_ms=pct(lags, 95), p99_ms=pct(lags, 99),
                     deletes=len(gone), delete_gone_p50_ms=pct(gone, 50), delete_gone_p95_ms=pct(gone, 95),
-                    delete_gone_p99_ms=pct(gone, 99), search_idle=percentiles(idle),
-                    search_during_updates=percentiles(during), search_during_timed_updates=percentiles(during_timed),
-                    search_p99_ratio=round(float(np.percentile(during, 99) / np.percentile(idle, 99)), 2))  # fmt: skip
+                    delete_gone_p99_ms=pct(gone, 99), search_idle=percentiles(idle.client),
+                    search_during_updates=percentiles(during.client),
+                    search_during_timed_updates=percentiles(during_timed.client),
+                    search_p99_ratio=round(float(np.percentile(during.client, 99) / np.percentile(idle.client, 99)), 2),
+                    search_server_idle=server_percentiles(idle.server_ms),
+                    search_server_during_updates=server_percentiles(during.server_ms))  # fmt: skip
 
 
 #: changes per second that the freshness benchmark times (faster streams time every n-th change)
