@@ -182,13 +182,13 @@ def cluster_addresses(n: int) -> list[str]:
     low = 10_000 if floor > 11_000 else 1_024
     rng = random.SystemRandom()
     ports: list[int] = []
-    for _ in range(100 * n):
+    for _ in range(100 * n if floor > low else 0):
         if len(ports) == n:
             break
-        port = rng.randrange(low, floor) if floor > low else free_port()
+        port = rng.randrange(low, floor)
         if port not in ports and bind_error("127.0.0.1", port) is None:
             ports.append(port)
-    while len(ports) < n:  # a crowded range below: the kernel's choice (as before)
+    while len(ports) < n:  # no range below, or a crowded one: the kernel's choice (as before)
         if (port := free_port()) not in ports:
             ports.append(port)
     return [f"127.0.0.1:{p}" for p in ports]
@@ -196,15 +196,15 @@ def cluster_addresses(n: int) -> list[str]:
 
 def _run_cluster(settings: IngestSettings) -> int:
     """Run the cluster; start it again on other ports when a child could not listen on its own."""
-    for attempt in range(1, _CLUSTER_START_TRIES + 1):
+    for _ in range(_CLUSTER_START_TRIES - 1):
         status = _run_cluster_once(settings, cluster_addresses(settings.workers))
-        if status != _EXIT_ADDRESS_IN_USE or attempt == _CLUSTER_START_TRIES:
+        if status != _EXIT_ADDRESS_IN_USE:
             return status
         log.warning("a cluster address was taken before its process listened on it; starting again on other ports")
         if settings.recovery_dir:
             # the stopped processes may have begun an epoch: the same cleanup as after a crash
             drop_unfinished_epochs(Path(settings.recovery_dir))
-    raise AssertionError("unreachable")
+    return _run_cluster_once(settings, cluster_addresses(settings.workers))
 
 
 def _run_cluster_once(settings: IngestSettings, addresses: list[str]) -> int:
