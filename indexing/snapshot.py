@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from indexing.store import NotFound, ObjectStore, open_store
+from pipelines.context import query_model
 from pipelines.lake import CHUNKS, CHUNKS_SCHEMA, Lake, LakeError, embeddings, latest_rows
 
 #: What a shard's id map keeps of each chunk: enough to answer and to trace lineage.
@@ -126,7 +127,7 @@ def plan(lake: Lake, version: int | None = None) -> Snapshot:
             f"({sorted(str(m) for m in models)}); an index needs one. Re-ingest into a new lake."
         )
     model = str(models.pop())
-    dim = int(model.rsplit("/", 1)[1])
+    dim = int(query_model(model).rsplit("/", 1)[1])  # name@hash/dim, then any context weight
     return Snapshot(
         lake, table.version(), model, dim, live.num_rows, _by_file(live, tuple(paths)), writer_seqs(meta),
         meta.num_rows - pc.count(meta.column("writer")).as_py(),

@@ -66,9 +66,12 @@ def chunk_id(doc_id: str, content_hash: str, occurrence: int) -> str:
 
 
 def apply_change(
-    state: DocState | None, event: ChangeEvent, chunker: Chunker
+    state: DocState | None, event: ChangeEvent, chunker: Chunker, context: bool = False
 ) -> tuple[DocState | None, DocUpdate | None, Outcome]:
-    """Apply one event to a document's state; return (state, update or None, outcome)."""
+    """Apply one event to a document's state; return (state, update or None, outcome).
+
+    With ``context`` (contextual vectors, ``pipelines.context``) each upsert carries its
+    neighbours' text, and a chunk whose neighbours changed is written again."""
     if event.tombstone:
         if state is not None and state.replayed_delete:
             return replace(state, replayed_delete=False), None, "tombstone"
@@ -90,7 +93,7 @@ def apply_change(
         versions = _deletes(state, event, position)
         new_state = DocState(position, live=False)
     else:
-        new_state, versions = _upsert(state, event, position, chunker)
+        new_state, versions = _upsert(state, event, position, chunker, context)
     if not versions:
         return new_state, None, "unchanged"
     return new_state, DocUpdate(event.doc_id, event.kafka, event.event_time_ms, tuple(versions)), "applied"
@@ -106,6 +109,7 @@ def _version(
     chash: str,
     acl: tuple[str, ...],
     tokens: int = 0,
+    neighbours: tuple[tuple[str, str], ...] = (),
 ) -> ChunkVersion:
     return ChunkVersion(
         chunk_id=cid,
@@ -123,6 +127,7 @@ def _version(
         token_count=tokens,
         title=event.title,
         metadata=metadata_json(event),
+        neighbours=neighbours,
     )
 
 
@@ -136,7 +141,7 @@ def _deletes(state: DocState | None, event: ChangeEvent, position: str) -> list[
 
 
 def _upsert(
-    state: DocState | None, event: ChangeEvent, position: str, chunker: Chunker
+    state: DocState | None, event: ChangeEvent, position: str, chunker: Chunker, context: bool = False
 ) -> tuple[DocState, list[ChunkVersion]]:
     old = state.chunks if state is not None and state.live else {}
     metadata = metadata_json(event)
@@ -145,15 +150,22 @@ def _upsert(
         or not state.live
         or (state.title, state.acl, state.metadata) != (event.title, event.acl, metadata)
     )
+    chunks = chunker.chunk(event.text)
+    old_hashes = {index: chash for index, chash in old.values()} if context else {}
     seen: dict[str, int] = {}
     new_chunks: dict[str, tuple[int, str]] = {}
     versions: list[ChunkVersion] = []
-    for chunk in chunker.chunk(event.text):
+    for at, chunk in enumerate(chunks):
         occurrence = seen.get(chunk.content_hash, 0)
         seen[chunk.content_hash] = occurrence + 1
         cid = chunk_id(event.doc_id, chunk.content_hash, occurrence)
         new_chunks[cid] = (chunk.index, chunk.content_hash)
-        if cid not in old or meta_changed or old[cid][0] != chunk.index:
+        near = [chunks[j] for j in (at - 1, at + 1) if 0 <= j < len(chunks)] if context else []
+        # a chunk at the same index keeps its neighbours' index: compare their content
+        context_changed = context and any(
+            old_hashes.get(j) != (chunks[j].content_hash if 0 <= j < len(chunks) else None) for j in (at - 1, at + 1)
+        )
+        if cid not in old or meta_changed or old[cid][0] != chunk.index or context_changed:
             versions.append(
                 _version(
                     event,
@@ -165,6 +177,7 @@ def _upsert(
                     chunk.content_hash,
                     event.acl,
                     chunk.token_count,
+                    tuple((n.content_hash, n.text) for n in near),
                 )
             )
     for cid, (index, chash) in old.items():

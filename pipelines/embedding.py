@@ -3,7 +3,9 @@
 Only upserts are embedded, and of those only content not embedded recently by this
 process (same content hash, same model: an LRU cache), so metadata-only changes (title,
 ACL), chunks that only moved within their document and repeated text cost nothing while
-the cache holds their content.
+the cache holds their content. With a context weight (``pipelines.context``) a chunk's row
+holds its vector mixed with its neighbours', whose raw vectors come from the same cache
+(or are embedded with the batch).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pyarrow as pa
 
 from pipelines import metrics
 from pipelines.caches import LRU
+from pipelines.context import contextual, model_with_context
 from pipelines.lake import CHUNKS_SCHEMA, DEAD_LETTERS_SCHEMA
 from pipelines.records import ChunkVersion, DeadLetter, DocUpdate
 from serving.embedder import Embedder
@@ -25,10 +28,11 @@ from serving.embedder import Embedder
 class BatchEmbedder:
     """Turns micro-batches of :class:`DocUpdate` into Arrow rows of ``chunks``."""
 
-    def __init__(self, embedder: Embedder, cache_size: int = 50_000) -> None:
+    def __init__(self, embedder: Embedder, cache_size: int = 50_000, context_weight: float = 0.0) -> None:
         self.embedder = embedder
-        self.model = str(embedder.identity)
-        self.cache: LRU[str, np.ndarray] = LRU(cache_size)  # content hash → vector
+        self.context_weight = context_weight
+        self.model = model_with_context(str(embedder.identity), context_weight)
+        self.cache: LRU[str, np.ndarray] = LRU(cache_size)  # content hash → the model's own vector
 
     def rows(self, updates: Sequence[DocUpdate]) -> pa.Table:
         versions = [v for u in updates for v in u.versions]
@@ -63,32 +67,40 @@ class BatchEmbedder:
         )
 
     def _vectors(self, versions: Sequence[ChunkVersion]) -> pa.Array:
-        out: list[np.ndarray | None] = [None] * len(versions)
-        todo: dict[str, list[int]] = {}
-        for i, v in enumerate(versions):
-            if v.op != "upsert":
-                continue
-            cached = self.cache.get(v.content_hash)
-            if cached is not None:
-                out[i] = cached
-            else:
-                todo.setdefault(v.content_hash, []).append(i)
-        skipped = sum(1 for v in versions if v.op == "upsert") - sum(len(ix) for ix in todo.values())
-        metrics.CHUNKS.labels("skipped-cached").inc(skipped)
+        upserts = [v for v in versions if v.op == "upsert"]
+        raw: dict[str, np.ndarray] = {}
+        todo: dict[str, tuple[str, int]] = {}  # content hash → (text, tokens) to embed
+        for v in upserts:
+            wanted = [(v.content_hash, v.text, v.token_count or 0)]
+            if self.context_weight:
+                wanted.extend((chash, text, 0) for chash, text in v.neighbours)
+            for chash, text, count in wanted:
+                if chash in raw or chash in todo:
+                    continue
+                found = self.cache.get(chash)
+                if found is not None:
+                    raw[chash] = found
+                else:
+                    todo[chash] = (text, count)
+        metrics.CHUNKS.labels("skipped-cached").inc(sum(1 for v in upserts if v.content_hash in raw))
         if todo:
-            first = [ix[0] for ix in todo.values()]
-            texts = [versions[i].text for i in first]
-            tokens = [versions[i].token_count or 0 for i in first]
+            texts = [text for text, _ in todo.values()]
+            tokens = [n for _, n in todo.values()]
             started = time.perf_counter()
             vecs = self.embedder.embed(texts, tokens if all(tokens) else None)
             metrics.EMBED_SECONDS.observe(time.perf_counter() - started)
             metrics.BATCH_SIZE.observe(len(texts))
             metrics.CHUNKS.labels("embedded").inc(len(texts))
-            for (chash, idxs), vec in zip(todo.items(), vecs, strict=True):
+            for chash, vec in zip(todo, vecs, strict=True):
                 self.cache.put(chash, vec)
-                for i in idxs:
-                    out[i] = vec
-        metrics.CHUNKS.labels("deleted").inc(sum(1 for v in versions if v.op == "delete"))
+                raw[chash] = vec
+        metrics.CHUNKS.labels("deleted").inc(len(versions) - len(upserts))
+        out = [
+            None
+            if v.op != "upsert"
+            else contextual(raw[v.content_hash], [raw[h] for h, _ in v.neighbours], self.context_weight)
+            for v in versions
+        ]
         return _vector_column(out, self.embedder.identity.dim)
 
 

@@ -82,8 +82,9 @@ class Runtime:
 
     @cached_property
     def batch_embedder(self) -> BatchEmbedder:
-        check_model(self.lake, str(self.embedder.identity))
-        return BatchEmbedder(self.embedder, self.settings.vector_cache_size)
+        batch = BatchEmbedder(self.embedder, self.settings.vector_cache_size, self.settings.context_weight)
+        check_model(self.lake, batch.model)  # the context weight included: a lake keeps one
+        return batch
 
     # -- step functions ---------------------------------------------------------------
 
@@ -103,7 +104,7 @@ class Runtime:
         return result
 
     def apply(self, state: DocState | None, event: ChangeEvent) -> tuple[DocState | None, list[DocUpdate]]:
-        new_state, update, outcome = apply_change(state, event, self.chunker)
+        new_state, update, outcome = apply_change(state, event, self.chunker, self.settings.context_weight > 0)
         metrics.EVENTS.labels(outcome).inc()
         if update is None:
             return new_state, []

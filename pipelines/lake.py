@@ -164,7 +164,7 @@ def check_model(lake: Lake, model: str) -> None:
         raise LakeError(
             f"the lake at {lake.uri} holds vectors of {sorted(others)}, but this job embeds with "
             f"{model}; vectors of different models must not mix. Use a new --lake, or --model "
-            "matching the lake."
+            "(and --dtype, --context-weight: the part after '+context=') matching the lake."
         )
 
 

@@ -78,6 +78,9 @@ class ChunkVersion:
     title: str = ""
     #: the document's mapped metadata columns as a JSON object (sorted keys); None = none mapped
     metadata: str | None = None
+    #: (content hash, text) of the chunks just before and after it in its document, for a
+    #: contextual vector (``pipelines.context``); empty when the job mixes in no context
+    neighbours: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

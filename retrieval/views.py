@@ -21,6 +21,7 @@ from indexing.manifest import ManifestError, latest_version, load_manifest, vers
 from indexing.reader import IndexReader, ShardSource
 from indexing.store import NotFound, ObjectStore
 from pipelines.caches import LRU
+from pipelines.context import query_model
 from pipelines.lake import Lake
 from retrieval import metrics
 from retrieval.delta_log import TailError
@@ -166,7 +167,7 @@ class Views:
     def _open(self, version: int | None) -> IndexReader:
         reader = IndexReader(self.store, version, source=self.source)
         model = str(self.embedder.identity)
-        if reader.manifest.model != model:
+        if query_model(reader.manifest.model) != model:  # contextual vectors are queried by the same model
             built = reader.manifest.model
             hint = "--dtype int8" if "+int8@" in built else "that model (--model, and --dtype as the ingest job had)"
             raise SearchError(
