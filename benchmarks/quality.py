@@ -18,7 +18,10 @@ candidate. Reported per system: nDCG@10, recall@10 and MRR (first relevant chunk
 - ``hybrid``: the engine's fusion of ``ivf`` and ``keyword`` (``mode: hybrid``), with the
   service's default weights, and each weight/constant of a small grid; the keyword ranking
   of a query that is an identifier (``os.replace``: ``indexing.keyword.identifier_query``)
-  has its own weight and grid.
+  has its own weight and grid;
+- ``ivf(context=w)`` and ``hybrid(context=w,w=k)``: the same over a lake whose vectors mix
+  each chunk's with its neighbours' at weight w, as ``ingest --context-weight w`` writes
+  them (``pipelines.context``), hybrid at keyword weights k of 0.25, 0.5 and 0.75.
 
 A second query set, **identifiers**: API names from the docs' own definitions
 (``.. function:: replace(src, dst)`` under ``.. module:: os`` gives the query
@@ -174,6 +177,8 @@ LINEAR = (0.1, 0.2, 0.3, 0.5, 0.75)
 #: the keyword weight for identifier queries (indexing.keyword.identifier_query); the grid above
 #: sets it for the others
 IDENTIFIER = (0.75, 1.0, 1.5, 2.0, 3.0)
+#: context weights measured by default (``--context-weight``)
+CONTEXT = (0.5, 1.0, 1.5)
 
 
 def scores(lists: list[list[int]], qs: list[Question]) -> dict[str, float]:
@@ -205,6 +210,11 @@ def main() -> None:
         help="also rank with the int8 embedder (corpus and questions embedded by it; the first run embeds 40k chunks)",
     )  # fmt: skip
     parser.add_argument("--identifiers", type=int, default=400, help="identifier queries sampled (400)")
+    parser.add_argument(
+        "--context-weight", type=float, action="append",
+        help="also rank dense and hybrid over vectors mixed with their neighbours' at this weight, as "
+        "'ingest --context-weight' writes them (repeatable; default 0.5, 1 and 1.5; 0: none)",
+    )  # fmt: skip
     args = parser.parse_args()
     corpus = embedded_pydocs()
     sets = {
@@ -272,6 +282,22 @@ def main() -> None:
                     engine.options = defaults
                     ranked[name]["hybrid"], took = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
                     latency.setdefault("hybrid", []).extend(took)
+            engine.stop()
+        for weight in [w for w in (args.context_weight or CONTEXT) if w > 0]:
+            # pipelines.context: the same docs ingested with --context-weight (queries embedded as before)
+            at = work / f"context-{weight:g}"
+            mixed, mixed_index, _ = pydocs_lake(at, context_weight=weight)
+            engine = SearchEngine(mixed, LocalStore(str(mixed_index)), corpus.embedder, ShardCache(at / "cache"))
+            engine.start(background=False)
+            for name in sets:
+                ranked[name][f"ivf(context={weight:g})"], _ = ranked_by(
+                    engine, texts[name], query_vectors[name], "dense"
+                )
+                for keyword_weight in (0.25, 0.5, 0.75):
+                    engine.options = dataclasses.replace(defaults, keyword_weight=keyword_weight)
+                    system = f"hybrid(context={weight:g},w={keyword_weight})"
+                    ranked[name][system], _ = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
+                engine.options = defaults
             engine.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)

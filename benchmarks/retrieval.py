@@ -58,6 +58,7 @@ from indexing.manifest import publish
 from indexing.snapshot import plan
 from indexing.store import LocalStore, S3Store
 from pipelines.broker import ensure_topics, free_port, start_broker
+from pipelines.context import contextual_documents, model_with_context
 from pipelines.envelopes import envelope as debezium_envelope
 from pipelines.envelopes import message
 from pipelines.lake import CHUNKS, Lake
@@ -217,15 +218,19 @@ def bench_cold(index: Path, lake: Lake, queries: np.ndarray, work: Path) -> None
         proc.wait(30)
 
 
-def pydocs_lake(work: Path, prefix: str = "") -> tuple[Lake, Path, list[str]]:
-    """The Python docs (ids starting with ``prefix``) as a lake of real embedded chunks, and its index."""
+def pydocs_lake(work: Path, prefix: str = "", context_weight: float = 0.0) -> tuple[Lake, Path, list[str]]:
+    """The Python docs (ids starting with ``prefix``) as a lake of real embedded chunks, and its
+    index; with ``context_weight``, each chunk's vector mixed with its neighbours' as the ingest
+    job's ``--context-weight`` mixes them (``pipelines.context``)."""
     corpus = embedded_pydocs(prefix=prefix)
+    vectors = contextual_documents(corpus.vectors, corpus.doc_ids, context_weight)
+    model = model_with_context(corpus.model, context_weight)
     lake = Lake.at(str(work / "pydocs-lake"))
     lake.ensure_tables(1)
     writer = LakeWriter(lake, CHUNKS, "bench", None)
     doc_titles = {d.id: d.title for d in load_pydocs()}  # every chunk carries its document's title, as ingested
     for part in np.array_split(np.arange(len(corpus.texts)), 8):
-        rows = chunk_rows(corpus.vectors[part], start=int(part[0]), model=corpus.model)
+        rows = chunk_rows(vectors[part], start=int(part[0]), model=model)
         texts = pa.array([corpus.texts[i] for i in part])
         rows = rows.set_column(rows.schema.get_field_index("text"), "text", texts)
         title = pa.array([doc_titles[corpus.doc_ids[i]] for i in part])

@@ -6,11 +6,10 @@ chunk is searched by is ``normalise(own + w * mean(neighbours))``, its neighbour
 chunks just before and after it in the same document version. Queries are embedded as
 before: the mix only moves each chunk towards its surroundings.
 
-On the Python FAQ set (``benchmarks/quality.py --context-weight``) w = 1 raised dense
-nDCG@10 from 0.499 to 0.632 and recall@10 from 0.51 to 0.70, at a cost of 0.006 nDCG on
-API-name queries, whose answer is one defining chunk; a chunk's own text still finds it
-first for 94% of chunks (97% without). Larger weights blur chunks into each other (w = 2:
-0.589, and 42%).
+On the Python FAQ set (``benchmarks/quality.py``, the real index and engine) w = 1 raised
+dense nDCG@10 from 0.498 to 0.626 and recall@10 from 0.506 to 0.694, at a cost of 0.003
+nDCG on API-name queries, whose answer is one defining chunk. Larger weights blur chunks
+into each other (w = 1.5: 0.616).
 
 The ingest job writes the mixed vector in ``embedding`` and marks the rows' ``model`` with
 the weight (``model_with_context``), so a lake never mixes weights and the index knows
