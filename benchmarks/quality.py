@@ -9,6 +9,8 @@ documentation (about 40k, embedded as the ingest job would: benchmarks/pydocs.py
 candidate. Reported per system: nDCG@10, recall@10 and MRR (first relevant chunk), for
 
 - ``exact``: flat inner-product search over every chunk vector (faiss IndexFlatIP);
+  every system's vectors are those the ingest job writes by default: each chunk's mixed
+  with its neighbours' at ``pipelines.context.DEFAULT_WEIGHT``;
 - ``ivf``: the real index (built by the real builder) searched by the real engine at the
   default nprobe, the way ``/v1/search`` does (and ``ivf@256``, ``ivf@512``: more lists);
 - ``exact-int8`` (with ``--int8``): as ``exact``, every chunk and question embedded by the
@@ -20,8 +22,9 @@ candidate. Reported per system: nDCG@10, recall@10 and MRR (first relevant chunk
   of a query that is an identifier (``os.replace``: ``indexing.keyword.identifier_query``)
   has its own weight and grid;
 - ``ivf(context=w)`` and ``hybrid(context=w,w=k)``: the same over a lake whose vectors mix
-  each chunk's with its neighbours' at weight w, as ``ingest --context-weight w`` writes
-  them (``pipelines.context``), hybrid at keyword weights k of 0.25, 0.5 and 0.75.
+  each chunk's with its neighbours' at weight w instead, as ``ingest --context-weight w``
+  writes them (w = 0: each chunk's own vector), hybrid at keyword weights k of 0.25, 0.5
+  and 0.75.
 
 A second query set, **identifiers**: API names from the docs' own definitions
 (``.. function:: replace(src, dst)`` under ``.. module:: os`` gives the query
@@ -63,6 +66,7 @@ from benchmarks.retrieval import pydocs_lake
 from indexing.distributed import start_ray
 from indexing.keyword import identifier_query
 from indexing.store import LocalStore
+from pipelines.context import DEFAULT_WEIGHT, contextual_documents
 from retrieval.acl import ANONYMOUS
 from retrieval.cache import ShardCache
 from retrieval.corpus import load_pydocs
@@ -171,14 +175,14 @@ def mrr(ranked: list[int], relevant: set[int]) -> float:
 
 
 #: the fusion grid: (keyword weight, reciprocal-rank constant); dense weight 1
-GRID = [(w, c) for c in (10, 20, 60) for w in (0.25, 0.5, 0.75, 1.0)]
+GRID = [(w, c) for c in (10, 20, 60) for w in (0.1, 0.25, 0.5, 0.75, 1.0)]
 #: linear fusion of min-max normalised scores: keyword weights (dense 1)
 LINEAR = (0.1, 0.2, 0.3, 0.5, 0.75)
 #: the keyword weight for identifier queries (indexing.keyword.identifier_query); the grid above
 #: sets it for the others
 IDENTIFIER = (0.75, 1.0, 1.5, 2.0, 3.0)
-#: context weights measured by default (``--context-weight``)
-CONTEXT = (0.5, 1.0, 1.5)
+#: context weights measured beside the ingest job's default (``--context-weight``; 0: none)
+CONTEXT = (0.0, 0.5, 1.5)
 
 
 def scores(lists: list[list[int]], qs: list[Question]) -> dict[str, float]:
@@ -213,7 +217,7 @@ def main() -> None:
     parser.add_argument(
         "--context-weight", type=float, action="append",
         help="also rank dense and hybrid over vectors mixed with their neighbours' at this weight, as "
-        "'ingest --context-weight' writes them (repeatable; default 0.5, 1 and 1.5; 0: none)",
+        "'ingest --context-weight' writes them (repeatable; default 0, 0.5 and 1.5; 0: none)",
     )  # fmt: skip
     args = parser.parse_args()
     corpus = embedded_pydocs()
@@ -233,8 +237,9 @@ def main() -> None:
     probes: dict[str, int] = {}
     nlist = 0
 
+    # every chunk as the ingest job writes it by default: mixed with its neighbours (pipelines.context)
     flat = faiss.IndexFlatIP(corpus.vectors.shape[1])
-    flat.add(corpus.vectors)
+    flat.add(contextual_documents(corpus.vectors, corpus.doc_ids, DEFAULT_WEIGHT))
     for name in sets:
         _, found = flat.search(query_vectors[name], K * 10)
         ranked[name]["exact"] = [[int(i) for i in row] for row in found]
@@ -242,7 +247,7 @@ def main() -> None:
         int8 = embedded_pydocs(embedder=load_embedder(dtype="int8"))
         assert int8.texts == corpus.texts, "the int8 tokenizer chunked differently"
         flat8 = faiss.IndexFlatIP(int8.vectors.shape[1])
-        flat8.add(int8.vectors)
+        flat8.add(contextual_documents(int8.vectors, int8.doc_ids, DEFAULT_WEIGHT))
         for name in sets:
             _, found = flat8.search(int8.embedder.embed(texts[name]), K * 10)
             ranked[name]["exact-int8"] = [[int(i) for i in row] for row in found]
@@ -283,7 +288,9 @@ def main() -> None:
                     ranked[name]["hybrid"], took = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
                     latency.setdefault("hybrid", []).extend(took)
             engine.stop()
-        for weight in [w for w in (args.context_weight or CONTEXT) if w > 0]:
+        for weight in [
+            w for w in (CONTEXT if args.context_weight is None else args.context_weight) if w != DEFAULT_WEIGHT
+        ]:
             # pipelines.context: the same docs ingested with --context-weight (queries embedded as before)
             at = work / f"context-{weight:g}"
             mixed, mixed_index, _ = pydocs_lake(at, context_weight=weight)

@@ -58,7 +58,7 @@ from indexing.manifest import publish
 from indexing.snapshot import plan
 from indexing.store import LocalStore, S3Store
 from pipelines.broker import ensure_topics, free_port, start_broker
-from pipelines.context import contextual_documents, model_with_context
+from pipelines.context import DEFAULT_WEIGHT, contextual_documents, model_with_context
 from pipelines.envelopes import envelope as debezium_envelope
 from pipelines.envelopes import message
 from pipelines.lake import CHUNKS, Lake
@@ -218,10 +218,10 @@ def bench_cold(index: Path, lake: Lake, queries: np.ndarray, work: Path) -> None
         proc.wait(30)
 
 
-def pydocs_lake(work: Path, prefix: str = "", context_weight: float = 0.0) -> tuple[Lake, Path, list[str]]:
+def pydocs_lake(work: Path, prefix: str = "", context_weight: float = DEFAULT_WEIGHT) -> tuple[Lake, Path, list[str]]:
     """The Python docs (ids starting with ``prefix``) as a lake of real embedded chunks, and its
-    index; with ``context_weight``, each chunk's vector mixed with its neighbours' as the ingest
-    job's ``--context-weight`` mixes them (``pipelines.context``)."""
+    index; each chunk's vector mixed with its neighbours' as the ingest job's
+    ``--context-weight`` mixes them (``pipelines.context``; its default unless given)."""
     corpus = embedded_pydocs(prefix=prefix)
     vectors = contextual_documents(corpus.vectors, corpus.doc_ids, context_weight)
     model = model_with_context(corpus.model, context_weight)

@@ -148,8 +148,8 @@ def add_commands(sub: Any) -> None:
         "--context-weight",
         type=float,
         help="mix each chunk's vector with its neighbours' in the document at this weight, so the later "
-        "chunks of an answer are found with its first (1 raised dense nDCG@10 on the Python FAQ 0.50 -> 0.63; "
-        "a lake keeps the weight it was started with; 0: none, the default)",
+        "chunks of an answer are found with its first (1 raised dense nDCG@10 on the Python FAQ 0.50 -> 0.63); "
+        "a lake keeps the weight it was started with (default: the lake's, 1 for a new lake; 0: none)",
     )
     add_openlineage_arg(p)
     p.set_defaults(func=cmd_ingest)

@@ -13,17 +13,21 @@ into each other (w = 1.5: 0.616).
 
 The ingest job writes the mixed vector in ``embedding`` and marks the rows' ``model`` with
 the weight (``model_with_context``), so a lake never mixes weights and the index knows
-which queries it answers (``query_model``). A chunk whose neighbour changed gets a new row
+which queries it answers (``query_model``). Without ``--context-weight`` the job keeps the
+lake's weight, and a new lake gets ``DEFAULT_WEIGHT``. A chunk whose neighbour changed gets a new row
 (``pipelines.docstate``): its vector changed though its text did not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 _MARK = "+context="
+
+#: the weight of a new lake's vectors when ``--context-weight`` is not given (measured above)
+DEFAULT_WEIGHT = 1.0
 
 
 def model_with_context(model: str, weight: float) -> str:
@@ -40,6 +44,16 @@ def context_weight(model: str) -> float:
     """The context weight a lake row's ``model`` records (0: none)."""
     _, _, weight = model.partition(_MARK)
     return float(weight) if weight else 0.0
+
+
+def lake_weight(models: Iterable[str]) -> float | None:
+    """The one context weight a lake's models record; None for an empty lake, or one whose
+    rows disagree or cannot be read (the job's model check refuses those with a sentence)."""
+    try:
+        weights = {context_weight(m) for m in models}
+    except ValueError:
+        return None
+    return weights.pop() if len(weights) == 1 else None
 
 
 def contextual(own: np.ndarray, neighbours: Sequence[np.ndarray], weight: float) -> np.ndarray:

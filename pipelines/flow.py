@@ -29,6 +29,7 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE
 from pipelines import metrics
 from pipelines.batching import adaptive_collect
 from pipelines.chunking import Chunker
+from pipelines.context import DEFAULT_WEIGHT, lake_weight
 from pipelines.debezium import decode
 from pipelines.docstate import DocState, apply_change
 from pipelines.embedding import BatchEmbedder, dead_letter_rows
@@ -40,7 +41,7 @@ from pipelines.kafka_io import (
     kafka_coordinates,
     topic_retention_s,
 )
-from pipelines.lake import CHUNKS, DEAD_LETTERS, Lake, check_model
+from pipelines.lake import CHUNKS, DEAD_LETTERS, Lake, LakeError, check_model, models_in
 from pipelines.lake_sink import LakeSink
 from pipelines.mapping import MappingConfig
 from pipelines.notices import NoticePublisher
@@ -81,8 +82,19 @@ class Runtime:
         return Chunker(self.embedder.count_tokens, max_tokens=max_tokens, overlap_tokens=overlap)
 
     @cached_property
+    def context_weight(self) -> float:
+        """``--context-weight``, else the lake's (a lake keeps one), else a new lake's default."""
+        if self.settings.context_weight is not None:
+            return self.settings.context_weight
+        try:
+            found = lake_weight(models_in(self.lake))
+        except LakeError:  # no tables yet: a new lake (the model check refuses any mix later)
+            found = None
+        return DEFAULT_WEIGHT if found is None else found
+
+    @cached_property
     def batch_embedder(self) -> BatchEmbedder:
-        batch = BatchEmbedder(self.embedder, self.settings.vector_cache_size, self.settings.context_weight)
+        batch = BatchEmbedder(self.embedder, self.settings.vector_cache_size, self.context_weight)
         check_model(self.lake, batch.model)  # the context weight included: a lake keeps one
         return batch
 
@@ -104,7 +116,7 @@ class Runtime:
         return result
 
     def apply(self, state: DocState | None, event: ChangeEvent) -> tuple[DocState | None, list[DocUpdate]]:
-        new_state, update, outcome = apply_change(state, event, self.chunker, self.settings.context_weight > 0)
+        new_state, update, outcome = apply_change(state, event, self.chunker, self.context_weight > 0)
         metrics.EVENTS.labels(outcome).inc()
         if update is None:
             return new_state, []

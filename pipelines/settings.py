@@ -48,8 +48,9 @@ class IngestSettings(BaseSettings):
     fetch_wait_ms: int = Field(100, ge=1, le=10_000)
     chunk_max_tokens: int = Field(200, ge=16)
     chunk_overlap_tokens: int = Field(24, ge=0)
-    #: each chunk's vector mixed with its neighbours' at this weight (``pipelines.context``; 0: none)
-    context_weight: float = Field(0.0, ge=0, le=4)
+    #: each chunk's vector mixed with its neighbours' at this weight (``pipelines.context``; 0: none;
+    #: None: the lake's, or ``pipelines.context.DEFAULT_WEIGHT`` for a new lake)
+    context_weight: float | None = Field(None, ge=0, le=4)
     embed_token_budget: int | None = Field(None, ge=64)  # None: the backend's (2048 on CPU, 8192 on GPU)
     vector_cache_size: int = Field(50_000, ge=0)
     dlq_suffix: str = ".dlq"

@@ -164,7 +164,8 @@ def test_audit_row_resolves_to_the_produced_source_rows(service: Service) -> Non
     assert espresso["source"]["table"] == "public.docs" and espresso["source"]["pk"] == "4"
     assert espresso["source"]["kafka"]["topic"] == TOPIC and espresso["source"]["position"]
     assert "Espresso is coffee" in espresso["text"] and espresso["now"] == "current"
-    assert espresso["embedding_model"] == chain["models"]["embedder"]
+    # the chunk's vector: the query embedder's, mixed with its neighbours' at the lake's weight
+    assert espresso["embedding_model"] == chain["models"]["embedder"] + "+context=1"
     assert {c["chunk_id"] for c in chain["citations"]} <= {s["chunk_id"] for s in chain["sources"]}
     # The CLI reads the same chain straight from the lake.
     out = cli("lineage", "answer", body["answer_id"], "--lake", service.lake, "--json")

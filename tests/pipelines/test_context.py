@@ -14,11 +14,19 @@ from indexing.manifest import publish
 from indexing.snapshot import plan
 from indexing.store import LocalStore
 from pipelines.chunking import Chunker
-from pipelines.context import context_weight, contextual, contextual_documents, model_with_context, query_model
+from pipelines.context import (
+    DEFAULT_WEIGHT,
+    context_weight,
+    contextual,
+    contextual_documents,
+    lake_weight,
+    model_with_context,
+    query_model,
+)
 from pipelines.docstate import apply_change
 from pipelines.embedding import BatchEmbedder
 from pipelines.flow import Runtime, build_flow
-from pipelines.lake import CHUNKS, Lake, LakeError, current_chunks
+from pipelines.lake import CHUNKS, Lake, LakeError, current_chunks, models_in
 from pipelines.records import DocUpdate
 from pipelines.runner import prepare
 from pipelines.storage import ObjectStoreSettings
@@ -64,6 +72,9 @@ def test_the_model_a_row_records_carries_the_weight_and_queries_use_the_model_al
     marked = model_with_context(model, 1.0)
     assert marked != model and query_model(marked) == model and context_weight(marked) == 1.0
     assert model_with_context(model, 0.5) != marked  # two weights never mix in one lake
+    assert lake_weight([marked]) == 1.0 and lake_weight([model]) == 0.0
+    assert lake_weight([]) is None and lake_weight([model, marked]) is None  # empty; mixed (refused later)
+    assert lake_weight([model + "+context=x"]) is None
 
 
 def test_with_context_an_edit_rewrites_the_changed_chunks_neighbours_with_their_neighbours(chunker: Chunker) -> None:
@@ -159,7 +170,20 @@ def test_after_inserts_edits_and_deletes_every_current_vector_mixes_its_current_
     assert len(lake.read(CHUNKS, columns=["op"])) > len(rows)  # edits happened
 
     with pytest.raises(LakeError, match=r"\+context="):  # the lake keeps its weight
-        build_flow(prepare(settings_for(tmp_path)), TestingSource([]), Published(), embedder)
+        build_flow(prepare(settings_for(tmp_path, context_weight=0.5)), TestingSource([]), Published(), embedder)
+
+
+def test_without_the_option_a_new_lake_gets_the_default_and_a_lake_keeps_its_weight(tmp_path: Path) -> None:
+    embedder = FakeEmbedder()
+    model = str(embedder.identity)
+    corpus = make_corpus(seed=6, docs=4, updates=0, deletes=0)
+    for lake, given, expected in (("new", None, DEFAULT_WEIGHT), ("plain", 0.0, 0.0), ("half", 0.5, 0.5)):
+        settings = prepare(settings_for(tmp_path / lake, context_weight=given))
+        run_main(build_flow(settings, TestingSource(messages(tmp_path, corpus)), Published(), embedder))
+        assert models_in(Lake.at(settings.lake)) == {model_with_context(model, expected)}
+        again = prepare(settings_for(tmp_path / lake))  # restarted without the option: the lake's weight
+        assert Runtime(again, embedder).context_weight == expected
+        build_flow(again, TestingSource([]), Published(), embedder)  # not refused
 
 
 def test_a_contextual_lake_is_indexed_and_searched_with_the_model_alone(tmp_path: Path, ray_local: None) -> None:
