@@ -50,7 +50,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="hybrid (default): keyword (BM25) and vector rankings fused by reciprocal rank; dense: vectors only; "
         "keyword: BM25 only (serve: what a request that names no mode gets)",
     )
-    p.add_argument("--keyword-weight", type=float, help="hybrid: weight of the keyword ranking; dense's is 1 (0.75)")
+    p.add_argument("--keyword-weight", type=float, help="hybrid: weight of the keyword ranking; dense's is 1 (0.1)")
     p.add_argument(
         "--keyword-memory-mb",
         type=int,

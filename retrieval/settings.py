@@ -39,7 +39,7 @@ class EngineSettings(BaseSettings):
     )
     index_poll: float = Field(5.0, gt=0, description="seconds between checks for a new index version")
     mode: str = Field("hybrid", pattern=r"^(hybrid|dense|keyword)$", description="search mode (serve: the default)")
-    keyword_weight: float = Field(0.75, ge=0, description="hybrid: the keyword ranking's weight (dense: 1)")
+    keyword_weight: float = Field(0.1, ge=0, description="hybrid: the keyword ranking's weight (dense: 1)")
     identifier_weight: float = Field(
         1.5, ge=0, description="hybrid: the keyword ranking's weight for a query that is an identifier"
     )

@@ -56,7 +56,7 @@ class EngineOptions:
     fusion: str = "rrf"
     rrf_k: int = 10
     dense_weight: float = 1.0
-    keyword_weight: float = 0.75
+    keyword_weight: float = 0.1
     #: the keyword ranking's weight for a query that is an identifier, not a sentence (``os.replace``,
     #: ``dirs_exist_ok``: indexing.keyword.identifier_query), whose definition BM25 finds and dense misses
     identifier_weight: float = 1.5

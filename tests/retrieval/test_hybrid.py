@@ -44,6 +44,8 @@ from tests.retrieval.lakes import Doc, DocLake
 
 OPTS = BuildOptions(nlist=8, iterations=5, shard_bytes=8_000, progress=False, reuse_centroids=True)
 HR = Principal("hana", frozenset({"hr"}))
+#: the keyword ranking's default weight in hybrid fusion (chosen by benchmarks/quality.py)
+KEYWORD = EngineOptions().keyword_weight
 
 
 def corpus(n: int = 200, seed: int = 0) -> list[Doc]:
@@ -175,7 +177,7 @@ def test_a_definition_outranks_chunks_that_only_mention_its_name(tmp_path: Path,
     build(lake, tmp_path / "index")
     engine = engine_for(lake, tmp_path / "index")
     assert ids(engine.search("os.replace", k=3, mode="keyword"))[0] == definition.chunk_id
-    hybrid = engine.search("os.replace", k=10)  # an identifier: the keyword ranking weighs 1.5, not 0.75
+    hybrid = engine.search("os.replace", k=10)  # an identifier: the keyword ranking weighs 1.5, not KEYWORD
     (top,) = [r for r in hybrid.results if r["chunk_id"] == definition.chunk_id]
     dense = top["retrievers"].get("dense")
     assert top["retrievers"]["keyword"]["rank"] == 1
@@ -183,7 +185,7 @@ def test_a_definition_outranks_chunks_that_only_mention_its_name(tmp_path: Path,
     sentence = engine.search("where is os.replace documented", k=50)
     (top,) = [r for r in sentence.results if r["chunk_id"] == definition.chunk_id]
     dense, keyword = top["retrievers"].get("dense"), top["retrievers"]["keyword"]
-    expected = 0.75 / (10 + keyword["rank"]) + (1 / (10 + dense["rank"]) if dense else 0)
+    expected = KEYWORD / (10 + keyword["rank"]) + (1 / (10 + dense["rank"]) if dense else 0)
     assert top["score"] == pytest.approx(expected, abs=1e-6)
     # a definition that arrives with the stream is found by its name at once; a hidden one is not
     fresh = Doc(70, ".. module:: shutil\n.. function:: copytree(src, dst, dirs_exist_ok=False)", ("hr",))
@@ -216,7 +218,7 @@ def test_hybrid_fuses_both_retrievers_and_says_which_found_each(setup) -> None: 
     assert set(result.results[0]["retrievers"]) == {"dense", "keyword"}
     ranks = result.results[0]["retrievers"]
     assert ranks["dense"]["rank"] == ranks["keyword"]["rank"] == 1
-    expected = 1.0 / (10 + 1) + 0.75 / (10 + 1)  # the default weights and constant
+    expected = 1.0 / (10 + 1) + KEYWORD / (10 + 1)  # the default weights and constant
     assert result.results[0]["score"] == pytest.approx(expected, abs=1e-6)
     scores = [r["score"] for r in result.results]
     assert scores == sorted(scores, reverse=True)
@@ -230,9 +232,9 @@ def test_linear_fusion_adds_normalised_scores(setup) -> None:  # type: ignore[no
     result = engine.search(docs[42].text, k=5)
     top = result.results[0]
     assert ids(result)[0] == docs[42].chunk_id and top["retrievers"]["keyword"]["rank"] == 1
-    assert top["score"] == pytest.approx(1.0 + 0.75, abs=1e-6)  # the best of each ranking normalises to 1
+    assert top["score"] == pytest.approx(1.0 + KEYWORD, abs=1e-6)  # the best of each ranking normalises to 1
     scores = [r["score"] for r in result.results]
-    assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1.75 for s in scores)
+    assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 + KEYWORD for s in scores)
 
 
 def test_acl_filters_inside_the_keyword_scan(setup) -> None:  # type: ignore[no-untyped-def]
