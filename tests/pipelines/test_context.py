@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bytewax.testing import TestingSource, cluster_main, run_main
+from bytewax.testing import TestingSource, run_main
 
 from indexing.ivf import BuildOptions, build_index
 from indexing.manifest import publish
@@ -38,7 +38,7 @@ from serving.fake_embedder import FakeEmbedder
 from tests.corpus import make_corpus
 from tests.oracle import assert_lake_matches
 from tests.pipelines.test_docstate import doc, event
-from tests.pipelines.test_flow import Published, messages, settings_for
+from tests.pipelines.test_flow import Published, messages, run, settings_for
 
 
 @pytest.fixture
@@ -153,11 +153,7 @@ def test_after_inserts_edits_and_deletes_every_current_vector_mixes_its_current_
     corpus = make_corpus(seed=11 + workers)
     settings = prepare(settings_for(tmp_path, context_weight=1.0))
     embedder = FakeEmbedder()
-    flow = build_flow(settings, TestingSource(messages(tmp_path, corpus), batch_size=5), Published(), embedder)
-    if workers == 1:
-        run_main(flow)
-    else:
-        cluster_main(flow, [], 0, worker_count_per_proc=2)
+    run(build_flow(settings, TestingSource(messages(tmp_path, corpus), batch_size=5), Published(), embedder), workers)
     lake = Lake.at(settings.lake)
     assert_lake_matches(lake, corpus, Runtime(settings, embedder).chunker)
     rows = current_chunks(lake, columns=["doc_id", "chunk_index", "text", "embedding", "model"]).to_pylist()

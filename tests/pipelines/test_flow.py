@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from bytewax.connectors.kafka import KafkaSourceMessage
+from bytewax.dataflow import Dataflow
 from bytewax.recovery import RecoveryConfig, init_db_dir
 from bytewax.testing import TestingSource, cluster_main, run_main
 from prometheus_client import REGISTRY
@@ -46,17 +47,21 @@ class Published:
         self.rows.extend(table.to_pylist())
 
 
+def run(flow: Dataflow, workers: int) -> None:
+    """The flow in this process: one worker, or a cluster of ``workers`` threads."""
+    if workers == 1:
+        run_main(flow)
+    else:
+        cluster_main(flow, [], 0, worker_count_per_proc=workers)
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_flow_writes_exactly_the_current_state(tmp_path: Path, workers: int) -> None:
     corpus = make_corpus(seed=workers)
     settings = prepare(settings_for(tmp_path))
     embedder = FakeEmbedder()
     published = Published()
-    flow = build_flow(settings, TestingSource(messages(tmp_path, corpus), batch_size=7), published, embedder)
-    if workers == 1:
-        run_main(flow)
-    else:
-        cluster_main(flow, [], 0, worker_count_per_proc=2)
+    run(build_flow(settings, TestingSource(messages(tmp_path, corpus), batch_size=7), published, embedder), workers)
     lake = Lake.at(settings.lake)
     assert_lake_matches(lake, corpus, Runtime(settings, embedder).chunker)
     # Every dead letter went to the topic as well, with its original bytes.
