@@ -29,7 +29,9 @@ candidate. Reported per system: nDCG@10, recall@10 and MRR (first relevant chunk
 A second query set, **identifiers**: API names from the docs' own definitions
 (``.. function:: replace(src, dst)`` under ``.. module:: os`` gives the query
 ``os.replace``; methods, classes, exceptions, data, attributes, decorators and command
-line options likewise), each relevant to the chunk(s) that hold its definition. The keyword index finds definitions
+line options likewise), each relevant to the chunk(s) that hold its definition. A third,
+**sentences**: each of those names inside a short question (``what does os.replace do?``),
+relevant to the same chunks: a query that holds an identifier but is not one. The keyword index finds definitions
 by the names they define (``indexing.keyword.defined_names``: Sphinx directives, Python
 ``def``/``class``, Markdown signature headings), not by this benchmark's own parsing.
 
@@ -137,6 +139,18 @@ _DEFINITION = re.compile(
 _MODULE = re.compile(r"^\.\. (?:module|currentmodule):: (\S+)", re.M)
 
 
+#: sentences around an API name, more than three words each (not identifier queries: hybrid
+#: weighs their keyword ranking as a sentence's)
+SENTENCES = ("what does {} do?", "how do I use {} in my code", "when should I call {} and why",
+             "an example of {} with an explanation")  # fmt: skip
+
+
+def sentence_questions(names: list[Question]) -> list[Question]:
+    """Each API-name query inside a sentence, relevant to the same chunks: a query that holds an
+    identifier but is not one."""
+    return [dataclasses.replace(q, text=SENTENCES[i % len(SENTENCES)].format(q.text)) for i, q in enumerate(names)]
+
+
 def identifier_questions(doc_ids: list[str], texts: list[str], n: int = 400, seed: int = 3) -> list[Question]:
     """API names defined in the docs (qualified by their module), each relevant to the chunks
     that hold its definition; a seeded sample of ``n`` names defined once."""
@@ -181,6 +195,8 @@ LINEAR = (0.1, 0.2, 0.3, 0.5, 0.75)
 #: the keyword weight for identifier queries (indexing.keyword.identifier_query); the grid above
 #: sets it for the others
 IDENTIFIER = (0.75, 1.0, 1.5, 2.0, 3.0)
+#: the keyword weight for sentences that hold a code-like token (indexing.keyword.mentions_code)
+CODE = (0.5, 0.75, 1.0, 1.5, 2.0)
 #: context weights measured beside the ingest job's default (``--context-weight``; 0: none)
 CONTEXT = (0.0, 0.5, 1.5)
 
@@ -225,6 +241,7 @@ def main() -> None:
         "faq": questions(corpus.doc_ids, corpus.texts),
         "identifiers": identifier_questions(corpus.doc_ids, corpus.texts, args.identifiers),
     }
+    sets["sentences"] = sentence_questions(sets["identifiers"])
     emit(bench="quality_setup", faq_pairs=len(faq_pairs()), chunks=len(corpus.texts),
          **{f"{name}_questions": len(qs) for name, qs in sets.items()},
          **{f"{name}_identifier_queries": sum(identifier_query(q.text) for q in qs) for name, qs in sets.items()},
@@ -279,6 +296,10 @@ def main() -> None:
                     for weight in IDENTIFIER:
                         engine.options = dataclasses.replace(defaults, identifier_weight=weight)
                         system = f"hybrid(identifier w={weight})"
+                        ranked[name][system], took = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
+                    for weight in CODE:
+                        engine.options = dataclasses.replace(defaults, code_weight=weight)
+                        system = f"hybrid(code w={weight})"
                         ranked[name][system], took = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
                     for weight in LINEAR:
                         engine.options = dataclasses.replace(defaults, keyword_weight=weight, fusion="linear")
@@ -366,6 +387,17 @@ def main() -> None:
          dev_identifiers_recall=round(identifier_recall(lightest, dev_rows), 4),
          held_out_identifiers_recall=round(identifier_recall(lightest, held_rows), 4),
          note="the lightest weight within 0.005 of the best dev recall@10")  # fmt: skip
+
+    def sentence_recall(weight: float, rows: dict[str, list[int]]) -> float:
+        return on("sentences", f"hybrid(code w={weight})", rows)["recall@10"]
+
+    best = max(sentence_recall(w, dev_rows) for w in CODE)
+    lightest = min(w for w in CODE if sentence_recall(w, dev_rows) >= best - 0.005)
+    emit(bench="code_weight_choice", chosen=lightest, default=defaults.code_weight,
+         dev_sentences_recall=round(sentence_recall(lightest, dev_rows), 4),
+         held_out_sentences_recall=round(sentence_recall(lightest, held_rows), 4),
+         faq_ndcg=round(table["faq"][f"hybrid(code w={lightest})"]["ndcg@10"], 4),
+         note="the lightest weight within 0.005 of the best dev recall@10 on sentences naming code")  # fmt: skip
     faq, ident = table["faq"], table["identifiers"]
     never_below = all(table[n]["hybrid"]["ndcg@10"] >= table[n]["ivf"]["ndcg@10"] for n in table)
     ivf_gap = 1 - faq["ivf"]["ndcg@10"] / faq["exact"]["ndcg@10"]

@@ -190,6 +190,12 @@ def query_names(query: str) -> list[str]:
     return list(dict.fromkeys(term for t in wanted for term in _suffixes(t)))
 
 
+def mentions_code(query: str) -> bool:
+    """A sentence that holds a code-like token (``why does os.replace fail``): hybrid search
+    weighs its keyword ranking as ``EngineOptions.code_weight``."""
+    return any(_code_like(t) for t in _IDENTIFIER.findall(query))
+
+
 def identifier_query(query: str) -> bool:
     """A query that is a name, not a sentence: at most three words, one token or only code-like
     ones (``os.replace``, ``dirs_exist_ok``, ``EAGAIN``, ``--user``). Hybrid search weighs its

@@ -64,6 +64,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "(os.replace, dirs_exist_ok, --user: at most three words, code-like) (1.5)",
     )
     p.add_argument(
+        "--code-weight",
+        type=float,
+        help="hybrid: the keyword ranking's weight for a sentence that holds a code-like token "
+        "(what does os.replace do?); other sentences get --keyword-weight (1.5)",
+    )
+    p.add_argument(
         "--fusion",
         choices=["rrf", "linear"],
         help="hybrid: rrf (default): weight / (k + rank) per ranking; linear: weights × scores min-max normalised "
@@ -200,6 +206,7 @@ def _engine(config: EngineSettings) -> Any:
         mode=config.mode,
         keyword_weight=config.keyword_weight,
         identifier_weight=config.identifier_weight,
+        code_weight=config.code_weight,
         fusion=config.fusion,
         rrf_k=config.rrf_k,
         fusion_depth=config.fusion_depth,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from indexing.keyword import identifier_query
+from indexing.keyword import identifier_query, mentions_code
 from indexing.manifest import ManifestError, default_nprobe
 from indexing.reader import Allow, Hit, IndexReader, ShardSource, take_rows
 from indexing.store import NotFound, ObjectStore
@@ -146,7 +146,9 @@ class SearchEngine(Views):
             )
             metrics.SEARCH_SECONDS.labels("keyword").observe(time.perf_counter() - t)
         picked = (
-            self._fuse(lists, k, identifier_query(query or "")) if mode == "hybrid" else _ranked(lists[mode], mode, k)
+            self._fuse(lists, k, self._keyword_weight(query or ""))
+            if mode == "hybrid"
+            else _ranked(lists[mode], mode, k)
         )
         results, vectors = self._materialize(view, picked, with_vectors)
         # Only the tail rows this caller may see are counted: the total would tell an outsider
@@ -181,11 +183,17 @@ class SearchEngine(Views):
         merged.sort(key=lambda m: m[0])
         return [(1.0 - d / 2.0, origin, ref) for d, origin, ref in merged[:depth]], nprobe
 
-    def _fuse(self, lists: dict[str, list[Candidate]], k: int, identifier: bool) -> list[Picked]:
+    def _keyword_weight(self, query: str) -> float:
+        """The keyword ranking's weight for this query: an identifier's, a sentence's that holds
+        a code-like token, or a plain sentence's (benchmarks/quality.py chose each)."""
+        if identifier_query(query):
+            return self.options.identifier_weight
+        return self.options.code_weight if mentions_code(query) else self.options.keyword_weight
+
+    def _fuse(self, lists: dict[str, list[Candidate]], k: int, keyword_weight: float) -> list[Picked]:
         """Weighted fusion: reciprocal rank (the sum over retrievers of weight / (rrf_k + rank)) or
-        linear (the sum of weight × the score min-max normalised over that retriever's candidates).
-        The keyword ranking weighs more for a query that is an identifier (``identifier``)."""
-        keyword_weight = self.options.identifier_weight if identifier else self.options.keyword_weight
+        linear (the sum of weight × the score min-max normalised over that retriever's candidates),
+        the keyword ranking at ``keyword_weight`` (``_keyword_weight``)."""
         weights = {"dense": self.options.dense_weight, "keyword": keyword_weight}
         linear = self.options.fusion == "linear"
         total: dict[tuple[str, int, int], float] = {}

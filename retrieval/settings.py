@@ -43,6 +43,9 @@ class EngineSettings(BaseSettings):
     identifier_weight: float = Field(
         1.5, ge=0, description="hybrid: the keyword ranking's weight for a query that is an identifier"
     )
+    code_weight: float = Field(
+        1.5, ge=0, description="hybrid: the keyword ranking's weight for a sentence that holds a code-like token"
+    )
     fusion: str = Field("rrf", pattern=r"^(rrf|linear)$", description="hybrid: how rankings are fused")
     rrf_k: int = Field(10, ge=1, description="hybrid: reciprocal rank fusion's constant")
     fusion_depth: int = Field(50, ge=1, le=1000, description="hybrid: candidates taken from each retriever")

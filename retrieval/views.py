@@ -60,6 +60,9 @@ class EngineOptions:
     #: the keyword ranking's weight for a query that is an identifier, not a sentence (``os.replace``,
     #: ``dirs_exist_ok``: indexing.keyword.identifier_query), whose definition BM25 finds and dense misses
     identifier_weight: float = 1.5
+    #: the keyword ranking's weight for a sentence that holds a code-like token (``what does
+    #: os.replace do``: indexing.keyword.mentions_code); plain sentences get ``keyword_weight``
+    code_weight: float = 1.5
     #: where replicas keep keyword index files (None: a temporary directory)
     keyword_dir: str | None = None
     #: keyword working copies held in memory (a tmpfs) while they fit; 0: all on disk

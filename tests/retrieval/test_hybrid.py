@@ -44,8 +44,10 @@ from tests.retrieval.lakes import Doc, DocLake
 
 OPTS = BuildOptions(nlist=8, iterations=5, shard_bytes=8_000, progress=False, reuse_centroids=True)
 HR = Principal("hana", frozenset({"hr"}))
-#: the keyword ranking's default weight in hybrid fusion (chosen by benchmarks/quality.py)
+#: the keyword ranking's default weights in hybrid fusion (chosen by benchmarks/quality.py): a plain
+#: sentence's, and a sentence's that holds a code-like token (os.replace)
 KEYWORD = EngineOptions().keyword_weight
+CODE = EngineOptions().code_weight
 
 
 def corpus(n: int = 200, seed: int = 0) -> list[Doc]:
@@ -182,11 +184,18 @@ def test_a_definition_outranks_chunks_that_only_mention_its_name(tmp_path: Path,
     dense = top["retrievers"].get("dense")
     assert top["retrievers"]["keyword"]["rank"] == 1
     assert top["score"] == pytest.approx(1.5 / 11 + (1 / (10 + dense["rank"]) if dense else 0), abs=1e-6)
-    sentence = engine.search("where is os.replace documented", k=50)
+    sentence = engine.search("where is os.replace documented", k=50)  # a sentence naming code
     (top,) = [r for r in sentence.results if r["chunk_id"] == definition.chunk_id]
     dense, keyword = top["retrievers"].get("dense"), top["retrievers"]["keyword"]
-    expected = KEYWORD / (10 + keyword["rank"]) + (1 / (10 + dense["rank"]) if dense else 0)
+    expected = CODE / (10 + keyword["rank"]) + (1 / (10 + dense["rank"]) if dense else 0)
     assert top["score"] == pytest.approx(expected, abs=1e-6)
+    plain = engine.search("where is the replace function documented", k=50)  # no code-like token
+    for r in plain.results:
+        ranks = r["retrievers"]
+        expected = (KEYWORD / (10 + ranks["keyword"]["rank"]) if "keyword" in ranks else 0) + (
+            1 / (10 + ranks["dense"]["rank"]) if "dense" in ranks else 0
+        )
+        assert r["score"] == pytest.approx(expected, abs=1e-6)
     # a definition that arrives with the stream is found by its name at once; a hidden one is not
     fresh = Doc(70, ".. module:: shutil\n.. function:: copytree(src, dst, dirs_exist_ok=False)", ("hr",))
     lake.write([fresh])
@@ -218,7 +227,7 @@ def test_hybrid_fuses_both_retrievers_and_says_which_found_each(setup) -> None: 
     assert set(result.results[0]["retrievers"]) == {"dense", "keyword"}
     ranks = result.results[0]["retrievers"]
     assert ranks["dense"]["rank"] == ranks["keyword"]["rank"] == 1
-    expected = 1.0 / (10 + 1) + KEYWORD / (10 + 1)  # the default weights and constant
+    expected = 1.0 / (10 + 1) + CODE / (10 + 1)  # the default weights and constant (its text names os.replace)
     assert result.results[0]["score"] == pytest.approx(expected, abs=1e-6)
     scores = [r["score"] for r in result.results]
     assert scores == sorted(scores, reverse=True)
@@ -232,9 +241,9 @@ def test_linear_fusion_adds_normalised_scores(setup) -> None:  # type: ignore[no
     result = engine.search(docs[42].text, k=5)
     top = result.results[0]
     assert ids(result)[0] == docs[42].chunk_id and top["retrievers"]["keyword"]["rank"] == 1
-    assert top["score"] == pytest.approx(1.0 + KEYWORD, abs=1e-6)  # the best of each ranking normalises to 1
+    assert top["score"] == pytest.approx(1.0 + CODE, abs=1e-6)  # the best of each ranking normalises to 1
     scores = [r["score"] for r in result.results]
-    assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 + KEYWORD for s in scores)
+    assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 + CODE for s in scores)
 
 
 def test_acl_filters_inside_the_keyword_scan(setup) -> None:  # type: ignore[no-untyped-def]
