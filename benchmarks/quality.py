@@ -378,25 +378,24 @@ def main() -> None:
                  on("identifiers", chosen, held_rows)["recall@10"] / on("identifiers", "ivf", held_rows)["recall@10"], 4
              ))  # fmt: skip
 
-    def identifier_recall(weight: float, rows: dict[str, list[int]]) -> float:
-        return on("identifiers", f"hybrid(identifier w={weight})", rows)["recall@10"]
+    def weight_recall(name: str, label: str, weight: float, rows: dict[str, list[int]]) -> float:
+        return on(name, f"hybrid({label} w={weight})", rows)["recall@10"]
 
-    best = max(identifier_recall(w, dev_rows) for w in IDENTIFIER)
-    lightest = min(w for w in IDENTIFIER if identifier_recall(w, dev_rows) >= best - 0.005)
-    emit(bench="identifier_weight_choice", chosen=lightest, default=defaults.identifier_weight,
-         dev_identifiers_recall=round(identifier_recall(lightest, dev_rows), 4),
-         held_out_identifiers_recall=round(identifier_recall(lightest, held_rows), 4),
+    def lightest(name: str, label: str, weights: tuple[float, ...]) -> float:
+        """The lightest of ``weights`` within 0.005 of the best dev recall@10 on set ``name``."""
+        best = max(weight_recall(name, label, w, dev_rows) for w in weights)
+        return min(w for w in weights if weight_recall(name, label, w, dev_rows) >= best - 0.005)
+
+    chosen_weight = lightest("identifiers", "identifier", IDENTIFIER)
+    emit(bench="identifier_weight_choice", chosen=chosen_weight, default=defaults.identifier_weight,
+         dev_identifiers_recall=round(weight_recall("identifiers", "identifier", chosen_weight, dev_rows), 4),
+         held_out_identifiers_recall=round(weight_recall("identifiers", "identifier", chosen_weight, held_rows), 4),
          note="the lightest weight within 0.005 of the best dev recall@10")  # fmt: skip
-
-    def sentence_recall(weight: float, rows: dict[str, list[int]]) -> float:
-        return on("sentences", f"hybrid(code w={weight})", rows)["recall@10"]
-
-    best = max(sentence_recall(w, dev_rows) for w in CODE)
-    lightest = min(w for w in CODE if sentence_recall(w, dev_rows) >= best - 0.005)
-    emit(bench="code_weight_choice", chosen=lightest, default=defaults.code_weight,
-         dev_sentences_recall=round(sentence_recall(lightest, dev_rows), 4),
-         held_out_sentences_recall=round(sentence_recall(lightest, held_rows), 4),
-         faq_ndcg=round(table["faq"][f"hybrid(code w={lightest})"]["ndcg@10"], 4),
+    chosen_weight = lightest("sentences", "code", CODE)
+    emit(bench="code_weight_choice", chosen=chosen_weight, default=defaults.code_weight,
+         dev_sentences_recall=round(weight_recall("sentences", "code", chosen_weight, dev_rows), 4),
+         held_out_sentences_recall=round(weight_recall("sentences", "code", chosen_weight, held_rows), 4),
+         faq_ndcg=round(table["faq"][f"hybrid(code w={chosen_weight})"]["ndcg@10"], 4),
          note="the lightest weight within 0.005 of the best dev recall@10 on sentences naming code")  # fmt: skip
     faq, ident = table["faq"], table["identifiers"]
     never_below = all(table[n]["hybrid"]["ndcg@10"] >= table[n]["ivf"]["ndcg@10"] for n in table)
