@@ -47,10 +47,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mode",
         choices=["hybrid", "dense", "keyword"],
-        help="hybrid (default): keyword (BM25) and vector rankings fused by reciprocal rank; dense: vectors only; "
+        help="hybrid (default): keyword (BM25) and vector rankings fused (--fusion); dense: vectors only; "
         "keyword: BM25 only (serve: what a request that names no mode gets)",
     )
-    p.add_argument("--keyword-weight", type=float, help="hybrid: weight of the keyword ranking; dense's is 1 (0.1)")
+    p.add_argument(
+        "--keyword-weight",
+        type=float,
+        help="hybrid: the keyword ranking's weight for a sentence; dense's is 1 (linear: 0.75, rrf: 0.1)",
+    )
     p.add_argument(
         "--keyword-memory-mb",
         type=int,
@@ -61,19 +65,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--identifier-weight",
         type=float,
         help="hybrid: the keyword ranking's weight for a query that is an identifier, not a sentence "
-        "(os.replace, dirs_exist_ok, --user: at most three words, code-like) (1.5)",
+        "(os.replace, dirs_exist_ok, --user: at most three words, code-like) (linear: 3, rrf: 1.5)",
     )
     p.add_argument(
         "--code-weight",
         type=float,
         help="hybrid: the keyword ranking's weight for a sentence that holds a code-like token "
-        "(what does os.replace do?); other sentences get --keyword-weight (1.5)",
+        "(what does os.replace do?); other sentences get --keyword-weight (linear: 2, rrf: 1.5)",
     )
     p.add_argument(
         "--fusion",
         choices=["rrf", "linear"],
-        help="hybrid: rrf (default): weight / (k + rank) per ranking; linear: weights × scores min-max normalised "
-        "per ranking (its fused scores carry BM25's, which count documents the caller may not see)",
+        help="hybrid: linear (default): weights × scores min-max normalised per ranking; rrf: weight / (k + rank) "
+        "per ranking. Either way a result's score shows only ranks (linear: 1 / its place), never BM25's",
     )
     p.add_argument("--rrf-k", type=int, help="hybrid: the constant k of weight / (k + rank) (10)")
     p.add_argument("--fusion-depth", type=int, help="hybrid: candidates fused from each ranking (50)")
@@ -190,7 +194,7 @@ def _engine(config: EngineSettings) -> Any:
     from pipelines.lake import Lake
     from retrieval.cache import ShardCache, default_cache_dir
     from retrieval.engine import SearchEngine
-    from retrieval.views import EngineOptions
+    from retrieval.views import EngineOptions, fusion_options
     from serving.embedder import load_embedder
 
     settings = ObjectStoreSettings.from_env()
@@ -204,14 +208,16 @@ def _engine(config: EngineSettings) -> Any:
         index_poll_s=config.index_poll,
         prefetch_bytes=memory,
         mode=config.mode,
-        keyword_weight=config.keyword_weight,
-        identifier_weight=config.identifier_weight,
-        code_weight=config.code_weight,
-        fusion=config.fusion,
         rrf_k=config.rrf_k,
         fusion_depth=config.fusion_depth,
         keyword_dir=str(keyword_dir(config.cache_dir or default_cache_dir())),
         keyword_memory_bytes=config.keyword_memory_mb << 20,
+        **fusion_options(
+            config.fusion,
+            keyword_weight=config.keyword_weight,
+            identifier_weight=config.identifier_weight,
+            code_weight=config.code_weight,
+        ),
     )
     embedder = load_embedder(config.model, device=config.device, dtype=config.dtype, cpu_threads=config.cpu_threads)
     return SearchEngine(Lake.at(config.lake, settings), open_store(config.index, settings), embedder, cache, options)

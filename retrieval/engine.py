@@ -191,9 +191,9 @@ class SearchEngine(Views):
         return self.options.code_weight if mentions_code(query) else self.options.keyword_weight
 
     def _fuse(self, lists: dict[str, list[Candidate]], k: int, keyword_weight: float) -> list[Picked]:
-        """Weighted fusion: reciprocal rank (the sum over retrievers of weight / (rrf_k + rank)) or
-        linear (the sum of weight × the score min-max normalised over that retriever's candidates),
-        the keyword ranking at ``keyword_weight`` (``_keyword_weight``)."""
+        """Weighted fusion: linear (the sum of weight × the score min-max normalised over that
+        retriever's candidates) or reciprocal rank (the sum over retrievers of weight / (rrf_k +
+        rank)), the keyword ranking at ``keyword_weight`` (``_keyword_weight``)."""
         weights = {"dense": self.options.dense_weight, "keyword": keyword_weight}
         linear = self.options.fusion == "linear"
         total: dict[tuple[str, int, int], float] = {}
@@ -213,8 +213,11 @@ class SearchEngine(Views):
                 refs[key] = (origin, ref)
         dense_rank = {key: rank for key, by in found_by.items() for name, rank, _ in by if name == "dense"}
         best = sorted(total, key=lambda key: (-total[key], dense_rank.get(key, 1 << 30)))[:k]
-        return [(total[key], *refs[key], {name: _shown(name, rank, score) for name, rank, score in found_by[key]})
-                for key in best]  # fmt: skip
+        # a linear total carries BM25's scores, which weigh words by documents the caller may not
+        # see: such a result shows its place (1 / rank), as keyword search does
+        return [(1.0 / rank if linear else total[key], *refs[key],
+                 {name: _shown(name, r, score) for name, r, score in found_by[key]})
+                for rank, key in enumerate(best, 1)]  # fmt: skip
 
     def _materialize(
         self, view: View, picked: list[Picked], with_vectors: bool

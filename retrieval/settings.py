@@ -39,14 +39,16 @@ class EngineSettings(BaseSettings):
     )
     index_poll: float = Field(5.0, gt=0, description="seconds between checks for a new index version")
     mode: str = Field("hybrid", pattern=r"^(hybrid|dense|keyword)$", description="search mode (serve: the default)")
-    keyword_weight: float = Field(0.1, ge=0, description="hybrid: the keyword ranking's weight (dense: 1)")
-    identifier_weight: float = Field(
-        1.5, ge=0, description="hybrid: the keyword ranking's weight for a query that is an identifier"
+    keyword_weight: float | None = Field(
+        None, ge=0, description="hybrid: the keyword ranking's weight for a sentence (dense: 1; default by fusion)"
     )
-    code_weight: float = Field(
-        1.5, ge=0, description="hybrid: the keyword ranking's weight for a sentence that holds a code-like token"
+    identifier_weight: float | None = Field(
+        None, ge=0, description="hybrid: the keyword ranking's weight for a query that is an identifier"
     )
-    fusion: str = Field("rrf", pattern=r"^(rrf|linear)$", description="hybrid: how rankings are fused")
+    code_weight: float | None = Field(
+        None, ge=0, description="hybrid: the keyword ranking's weight for a sentence that holds a code-like token"
+    )
+    fusion: str = Field("linear", pattern=r"^(rrf|linear)$", description="hybrid: how rankings are fused")
     rrf_k: int = Field(10, ge=1, description="hybrid: reciprocal rank fusion's constant")
     fusion_depth: int = Field(50, ge=1, le=1000, description="hybrid: candidates taken from each retriever")
     keyword_memory_mb: int = Field(

@@ -33,6 +33,22 @@ from serving.embedder import Embedder
 log = logging.getLogger(__name__)
 
 
+#: the keyword ranking's default weights for each fusion (the dense ranking's is 1): a plain
+#: sentence's, a sentence's that holds a code-like token, an identifier's. Each fusion scales
+#: differently (a weight over rank + 10, a weight over a score in [0, 1]), so each has its own,
+#: chosen by benchmarks/quality.py on dev halves of its query sets
+FUSION_WEIGHTS: dict[str, dict[str, float]] = {
+    "linear": {"keyword_weight": 0.75, "code_weight": 2.0, "identifier_weight": 3.0},
+    "rrf": {"keyword_weight": 0.1, "code_weight": 1.5, "identifier_weight": 1.5},
+}
+
+
+def fusion_options(fusion: str, **weights: float | None) -> dict[str, Any]:
+    """EngineOptions fields for ``fusion``: its default keyword weights, but those ``weights`` set."""
+    chosen = {name: value for name, value in weights.items() if value is not None}
+    return {"fusion": fusion, **FUSION_WEIGHTS[fusion], **chosen}
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     #: lists probed per query; None = auto (see default_nprobe)
@@ -49,20 +65,21 @@ class EngineOptions:
     prefetch_bytes: int = 2 << 30
     #: how /v1/search ranks when a request does not say: "hybrid", "dense" or "keyword"
     mode: str = "hybrid"
-    #: hybrid: each retriever's candidates, and reciprocal-rank fusion's constant and weights (chosen on
-    #: dev halves of the Python docs' FAQ and API-name queries: benchmarks/quality.py, fusion_choice)
+    #: hybrid: each retriever's candidates, and the fusion's constant and weights (chosen on dev
+    #: halves of the Python docs' query sets: benchmarks/quality.py, fusion_choice)
     fusion_depth: int = 50
-    #: "rrf" (reciprocal rank) or "linear" (min-max normalised scores)
-    fusion: str = "rrf"
+    #: "linear" (weights × scores min-max normalised per ranking) or "rrf" (reciprocal rank)
+    fusion: str = "linear"
     rrf_k: int = 10
     dense_weight: float = 1.0
-    keyword_weight: float = 0.1
+    #: the keyword ranking's weight for a plain sentence
+    keyword_weight: float = FUSION_WEIGHTS["linear"]["keyword_weight"]
     #: the keyword ranking's weight for a query that is an identifier, not a sentence (``os.replace``,
     #: ``dirs_exist_ok``: indexing.keyword.identifier_query), whose definition BM25 finds and dense misses
-    identifier_weight: float = 1.5
+    identifier_weight: float = FUSION_WEIGHTS["linear"]["identifier_weight"]
     #: the keyword ranking's weight for a sentence that holds a code-like token (``what does
-    #: os.replace do``: indexing.keyword.mentions_code); plain sentences get ``keyword_weight``
-    code_weight: float = 1.5
+    #: os.replace do``: indexing.keyword.mentions_code)
+    code_weight: float = FUSION_WEIGHTS["linear"]["code_weight"]
     #: where replicas keep keyword index files (None: a temporary directory)
     keyword_dir: str | None = None
     #: keyword working copies held in memory (a tmpfs) while they fit; 0: all on disk

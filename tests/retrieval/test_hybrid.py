@@ -38,16 +38,16 @@ from retrieval.engine import SearchEngine
 from retrieval.errors import SearchError
 from retrieval.filters import MetadataFilter
 from retrieval.keyword import KeywordCopies
-from retrieval.views import EngineOptions
+from retrieval.views import FUSION_WEIGHTS, EngineOptions, fusion_options
 from serving.fake_embedder import FakeEmbedder
 from tests.retrieval.lakes import Doc, DocLake
 
 OPTS = BuildOptions(nlist=8, iterations=5, shard_bytes=8_000, progress=False, reuse_centroids=True)
 HR = Principal("hana", frozenset({"hr"}))
-#: the keyword ranking's default weights in hybrid fusion (chosen by benchmarks/quality.py): a plain
-#: sentence's, and a sentence's that holds a code-like token (os.replace)
-KEYWORD = EngineOptions().keyword_weight
-CODE = EngineOptions().code_weight
+#: reciprocal rank fusion's keyword weights (chosen by benchmarks/quality.py): a plain sentence's,
+#: a sentence's that holds a code-like token (os.replace), an identifier's
+RRF = FUSION_WEIGHTS["rrf"]
+KEYWORD, CODE, IDENTIFIER = RRF["keyword_weight"], RRF["code_weight"], RRF["identifier_weight"]
 
 
 def corpus(n: int = 200, seed: int = 0) -> list[Doc]:
@@ -177,13 +177,14 @@ def test_a_definition_outranks_chunks_that_only_mention_its_name(tmp_path: Path,
         docs[pk] = Doc(pk, f"see os.replace: os.replace and replace again, os.replace(a, b) {pk}")
     lake.write(docs)
     build(lake, tmp_path / "index")
-    engine = engine_for(lake, tmp_path / "index")
+    # reciprocal rank fusion: its scores show the weight each kind of query gave the keyword ranking
+    engine = engine_for(lake, tmp_path / "index", **fusion_options("rrf"))
     assert ids(engine.search("os.replace", k=3, mode="keyword"))[0] == definition.chunk_id
-    hybrid = engine.search("os.replace", k=10)  # an identifier: the keyword ranking weighs 1.5, not KEYWORD
+    hybrid = engine.search("os.replace", k=10)  # an identifier: the keyword ranking weighs IDENTIFIER
     (top,) = [r for r in hybrid.results if r["chunk_id"] == definition.chunk_id]
     dense = top["retrievers"].get("dense")
     assert top["retrievers"]["keyword"]["rank"] == 1
-    assert top["score"] == pytest.approx(1.5 / 11 + (1 / (10 + dense["rank"]) if dense else 0), abs=1e-6)
+    assert top["score"] == pytest.approx(IDENTIFIER / 11 + (1 / (10 + dense["rank"]) if dense else 0), abs=1e-6)
     sentence = engine.search("where is os.replace documented", k=50)  # a sentence naming code
     (top,) = [r for r in sentence.results if r["chunk_id"] == definition.chunk_id]
     dense, keyword = top["retrievers"].get("dense"), top["retrievers"]["keyword"]
@@ -227,23 +228,30 @@ def test_hybrid_fuses_both_retrievers_and_says_which_found_each(setup) -> None: 
     assert set(result.results[0]["retrievers"]) == {"dense", "keyword"}
     ranks = result.results[0]["retrievers"]
     assert ranks["dense"]["rank"] == ranks["keyword"]["rank"] == 1
-    expected = 1.0 / (10 + 1) + CODE / (10 + 1)  # the default weights and constant (its text names os.replace)
-    assert result.results[0]["score"] == pytest.approx(expected, abs=1e-6)
-    scores = [r["score"] for r in result.results]
-    assert scores == sorted(scores, reverse=True)
+    # linear fusion (the default) shows each result's place, not its total (which carries BM25's)
+    places = [1 / n for n in range(1, len(result.results) + 1)]
+    assert [r["score"] for r in result.results] == pytest.approx(places, abs=1e-6)
+    assert all("score" not in r["retrievers"].get("keyword", {}) for r in result.results)
     dense_only = engine.search(docs[42].text, k=5, mode="dense")
     assert dense_only.mode == "dense" and all(set(r["retrievers"]) == {"dense"} for r in dense_only.results)
 
 
-def test_linear_fusion_adds_normalised_scores(setup) -> None:  # type: ignore[no-untyped-def]
-    engine, _, docs = setup
-    engine.options = dataclasses.replace(engine.options, fusion="linear")
-    result = engine.search(docs[42].text, k=5)
-    top = result.results[0]
-    assert ids(result)[0] == docs[42].chunk_id and top["retrievers"]["keyword"]["rank"] == 1
-    assert top["score"] == pytest.approx(1.0 + CODE, abs=1e-6)  # the best of each ranking normalises to 1
-    scores = [r["score"] for r in result.results]
-    assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 + CODE for s in scores)
+def test_linear_fusion_adds_normalised_scores_and_shows_only_places() -> None:
+    engine = SearchEngine.__new__(SearchEngine)
+    engine.options = EngineOptions(**fusion_options("linear"))
+    # tail rows 0-4; dense scores are cosines, keyword scores BM25's
+    dense = [(0.9, "tail", 0), (0.8, "tail", 1), (0.5, "tail", 2)]
+    keyword = [(12.0, "tail", 2), (9.0, "tail", 3), (3.0, "tail", 1)]
+    picked = engine._fuse({"dense": dense, "keyword": keyword}, 4, 0.5)
+    # min-max normalised: dense 1, 0.75, 0 (rows 0, 1, 2); keyword 1, 0.667, 0 (rows 2, 3, 1)
+    totals = {0: 1.0, 1: 0.75 + 0.5 * 0.0, 2: 0.0 + 0.5 * 1.0, 3: 0.5 * (6 / 9)}
+    assert [ref for _, _, ref, _ in picked] == sorted(totals, key=lambda row: -totals[row])
+    assert [score for score, *_ in picked] == [1.0, 0.5, 1 / 3, 0.25]
+    by_row = {ref: retrievers for _, _, ref, retrievers in picked}
+    assert by_row[2] == {"dense": {"rank": 3, "score": 0.5}, "keyword": {"rank": 1}}
+    # a heavier keyword ranking puts BM25's best first; one candidate in a ranking normalises to 1
+    assert picked[0][2] == 0 and engine._fuse({"dense": dense, "keyword": keyword}, 1, 2.0)[0][2] == 2
+    assert [ref for _, _, ref, _ in engine._fuse({"dense": dense[:1], "keyword": keyword[2:]}, 2, 0.5)] == [0, 1]
 
 
 def test_acl_filters_inside_the_keyword_scan(setup) -> None:  # type: ignore[no-untyped-def]
