@@ -13,6 +13,7 @@ version and tail a query searches is the business of ``retrieval.views``.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,13 @@ class SearchEngine(Views):
     ) -> None:
         super().__init__(lake, index_store, embedder, source, options or EngineOptions())
         self.queries = QueryEmbedder(embedder)
+        # hybrid: the keyword ranking runs here while the request's thread ranks by vector
+        # (tantivy and faiss both release the GIL); threads start on first use
+        self._keyword_pool = ThreadPoolExecutor(16, thread_name_prefix="keyword-search")
+
+    def stop(self) -> None:
+        super().stop()
+        self._keyword_pool.shutdown(wait=True)
 
     def search(
         self,
@@ -128,13 +136,11 @@ class SearchEngine(Views):
         depth = k if mode != "hybrid" else max(k, self.options.fusion_depth)
         lists: dict[str, list[Candidate]] = {}
         nprobe = 0
-        if mode != "keyword":
-            assert vector is not None
-            lists["dense"], nprobe = self._dense(reader, tail, vector, depth, k, allow, tail_allowed)
-        if mode != "dense":
+
+        def by_keyword() -> list[Candidate]:
             assert query is not None
             t = time.perf_counter()
-            lists["keyword"] = keyword_search(
+            found = keyword_search(
                 self.keywords,
                 reader,
                 tail,
@@ -145,6 +151,19 @@ class SearchEngine(Views):
                 tail_allowed,
             )
             metrics.SEARCH_SECONDS.labels("keyword").observe(time.perf_counter() - t)
+            return found
+
+        keyword = self._keyword_pool.submit(by_keyword) if mode == "hybrid" else None
+        if mode != "keyword":
+            assert vector is not None
+            try:
+                lists["dense"], nprobe = self._dense(reader, tail, vector, depth, k, allow, tail_allowed)
+            except BaseException:
+                if keyword is not None:
+                    wait([keyword])  # no keyword search outlives its request
+                raise
+        if mode != "dense":
+            lists["keyword"] = keyword.result() if keyword is not None else by_keyword()
         picked = (
             self._fuse(lists, k, self._keyword_weight(query or ""))
             if mode == "hybrid"
