@@ -12,6 +12,7 @@ import random
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -252,6 +253,37 @@ def test_linear_fusion_adds_normalised_scores_and_shows_only_places() -> None:
     # a heavier keyword ranking puts BM25's best first; one candidate in a ranking normalises to 1
     assert picked[0][2] == 0 and engine._fuse({"dense": dense, "keyword": keyword}, 1, 2.0)[0][2] == 2
     assert [ref for _, _, ref, _ in engine._fuse({"dense": dense[:1], "keyword": keyword[2:]}, 2, 0.5)] == [0, 1]
+
+
+def test_hybrid_queries_from_many_threads_answer_as_one_at_a_time(setup) -> None:  # type: ignore[no-untyped-def]
+    # each hybrid query's keyword ranking runs on the engine's pool while its thread ranks by vector
+    engine, _, docs = setup
+    queries = [docs[i].text for i in range(0, 200, 5)] + ["os.replace", "EAGAIN payroll"]
+    asks = [(q, p) for q in queries for p in (ANONYMOUS, HR)]
+
+    def found(ask: tuple[str, Principal]) -> dict[str, dict[str, dict[str, float]]]:
+        return {r["chunk_id"]: r["retrievers"] for r in engine.search(ask[0], k=5, principal=ask[1]).results}
+
+    alone = [found(ask) for ask in asks]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(found, asks))
+    for (query, _), one, other in zip(asks, together, alone, strict=True):
+        # the fake embedder ties many dense scores, and faiss orders ties as it likes: the keyword
+        # ranking (deterministic) and each chunk's dense score must match, and a note's own text
+        # finds that note first
+        assert len(one) == len(other) and one.keys() & other.keys()
+        for chunk in one.keys() & other.keys():
+            assert one[chunk].get("keyword") == other[chunk].get("keyword")
+            assert one[chunk].get("dense", {}).get("score") == other[chunk].get("dense", {}).get("score")
+        if query.startswith("note "):
+            assert next(iter(one)) == next(iter(other))
+    # a failing dense ranking fails the query (its keyword search has finished) and the next one works
+    original = engine._dense
+    engine._dense = lambda *args: (_ for _ in ()).throw(RuntimeError("shard read failed"))  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="shard read failed"):
+        engine.search("os.replace", k=5)
+    engine._dense = original  # type: ignore[method-assign]
+    assert ids(engine.search("os.replace", k=1)) == [docs[42].chunk_id]
 
 
 def test_acl_filters_inside_the_keyword_scan(setup) -> None:  # type: ignore[no-untyped-def]
