@@ -245,9 +245,24 @@ class KeywordIndex:
         self.index = tantivy.Index(SCHEMA, path=str(path), reuse=False) if create else tantivy.Index.open(str(path))
         self._writer: Any = None
         self._lock = threading.Lock()
-        self.searcher = self.index.searcher()
+        searcher = self.index.searcher()
+        public = searcher.search(tantivy.Query.term_query(SCHEMA, "acl", PUBLIC), 1, count=True).count  # type: ignore[attr-defined]
+        #: a searcher, and whether every document it holds is public: then a search needs no ACL
+        #: filter, which costs tantivy its block-max WAND (a question over the Python docs: 1.03 ms
+        #: with it, 0.32 without). One attribute, swapped whole: a searcher that holds a restricted
+        #: document is never paired with "every document is public"
+        self._state: tuple[Any, bool] = (searcher, public == searcher.num_docs)
         #: whether the index has the ``names`` field (an index built before it does not)
         self.has_names = _has_field(self.index, "names")
+
+    @property
+    def searcher(self) -> Any:
+        return self._state[0]
+
+    @property
+    def all_public(self) -> bool:
+        """Whether every document of the current searcher is public (deleted ones may not be)."""
+        return self._state[1]
 
     def add(self, docs: Iterable[tantivy.Document]) -> int:
         """Add documents and commit them (visible to searches once this returns)."""
@@ -255,13 +270,15 @@ class KeywordIndex:
             if self._writer is None:
                 self._writer = self.index.writer(heap_size=WRITER_HEAP, num_threads=1)
             n = 0
+            public = self.all_public
             for doc in docs:
                 self._writer.add_document(doc)
+                public = public and doc.get_all("acl") == [PUBLIC]
                 n += 1
             if n:
                 self._writer.commit()
                 self.index.reload()
-                self.searcher = self.index.searcher()
+                self._state = (self.index.searcher(), public)
             return n
 
     def close(self) -> None:
@@ -281,7 +298,7 @@ class KeywordIndex:
         of the terms or defined ``names`` (``query_names``)."""
         if limit <= 0:
             return []
-        searcher = self.searcher
+        searcher, all_public = self._state
         clauses = [
             (tantivy.Occur.Should, _boosted(tantivy.Query.term_query(SCHEMA, field, term, index_option="freq"), w))
             for term in query_terms
@@ -295,12 +312,15 @@ class KeywordIndex:
                 clauses.append((tantivy.Occur.Should, tantivy.Query.const_score_query(term, NAMES_WEIGHT * idf)))
         if not clauses:
             return []
-        visible = tantivy.Query.term_set_query(SCHEMA, "acl", [PUBLIC, *sorted(GROUP + g for g in groups)])
-        parts = [
-            (tantivy.Occur.Must, tantivy.Query.boolean_query(clauses)),
-            (tantivy.Occur.Must, tantivy.Query.const_score_query(visible, 0.0)),
-        ]
-        query = tantivy.Query.boolean_query(parts)
+        if all_public:
+            query = tantivy.Query.boolean_query(clauses)
+        else:
+            visible = tantivy.Query.term_set_query(SCHEMA, "acl", [PUBLIC, *sorted(GROUP + g for g in groups)])
+            parts = [
+                (tantivy.Occur.Must, tantivy.Query.boolean_query(clauses)),
+                (tantivy.Occur.Must, tantivy.Query.const_score_query(visible, 0.0)),
+            ]
+            query = tantivy.Query.boolean_query(parts)
         hits = searcher.search(query, limit, count=False).hits
         keys = searcher.fast_field_values("key", [address for _, address in hits])
         return [Match(int(key or 0), float(score)) for (score, _), key in zip(hits, keys, strict=True)]

@@ -654,3 +654,30 @@ def test_a_documents_acl_terms_make_it_public_a_groups_or_nobodys(tmp_path: Path
     assert {m.key for m in index.search(terms("ledger"), frozenset(), 10)} == {1, 2}
     assert {m.key for m in index.search(terms("ledger"), frozenset({"hr"}), 10)} == {1, 2, 3}
     assert {m.key for m in index.search(terms("ledger"), frozenset({"hr", "None", ""}), 10)} == {1, 2, 3}
+
+
+def test_an_index_of_public_documents_only_searches_without_the_acl_filter_until_one_is_not(tmp_path: Path) -> None:
+    # tantivy's block-max WAND works only without the filter: skipped while every document is public
+    index = KeywordIndex(tmp_path / "copy", create=True)
+    assert index.all_public  # empty
+    index.add([document(i, None, f"ledger entry {i} " + "audit " * (i % 5), None) for i in range(40)])
+    assert index.all_public
+    unfiltered = [(m.key, m.score) for m in index.search(terms("ledger audit"), frozenset(), 10)]
+    index._state = (index.searcher, False)  # as if it held a restricted document: the filter's answer
+    assert [(m.key, m.score) for m in index.search(terms("ledger audit"), frozenset(), 10)] == unfiltered
+    index._state = (index.searcher, True)
+    for acl in (["hr"], [None]):  # a group's, nobody's
+        index.add([document(100, None, "ledger audit audit audit audit audit", acl)])
+        assert not index.all_public
+        assert 100 not in {m.key for m in index.search(terms("ledger audit"), frozenset(), 50)}
+        assert index.search(terms("ledger audit"), frozenset({"hr"}), 1)[0].key == (100 if acl == ["hr"] else 4)
+        index.add([document(101, None, "ledger", None)])  # public documents after it keep the filter on
+        assert not index.all_public
+        index.close()
+        reopened = KeywordIndex(tmp_path / "copy")  # a copy opened from disk counts its documents
+        assert not reopened.all_public
+        assert 100 not in {m.key for m in reopened.search(terms("ledger audit"), frozenset(), 50)}
+        index = KeywordIndex(tmp_path / f"fresh-{acl[0]}", create=True)
+        index.add([document(i, None, f"ledger entry {i} " + "audit " * (i % 5), None) for i in range(40)])
+    index.close()
+    assert KeywordIndex(tmp_path / "fresh-None").all_public
