@@ -12,6 +12,7 @@ version and tail a query searches is the business of ``retrieval.views``.
 
 from __future__ import annotations
 
+import heapq
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -212,30 +213,35 @@ class SearchEngine(Views):
     def _fuse(self, lists: dict[str, list[Candidate]], k: int, keyword_weight: float) -> list[Picked]:
         """Weighted fusion: linear (the sum of weight × the score min-max normalised over that
         retriever's candidates) or reciprocal rank (the sum over retrievers of weight / (rrf_k +
-        rank)), the keyword ranking at ``keyword_weight`` (``_keyword_weight``)."""
+        rank)), the keyword ranking at ``keyword_weight`` (``_keyword_weight``). Ties go to the
+        better dense rank. Each query pays for it in pure Python: kept to one pass per ranking."""
         weights = {"dense": self.options.dense_weight, "keyword": keyword_weight}
         linear = self.options.fusion == "linear"
-        total: dict[tuple[str, int, int], float] = {}
-        found_by: dict[tuple[str, int, int], list[tuple[str, int, float]]] = {}
-        refs: dict[tuple[str, int, int], tuple[str, Hit | int]] = {}
+        rrf_k = self.options.rrf_k
+        total: dict[Any, float] = {}
+        places: dict[str, dict[Any, int]] = {}  # retriever → key → index in its ranking
+        refs: dict[Any, tuple[str, Hit | int]] = {}
         for name, found in lists.items():
             weight = weights[name]
-            low, high = (min(c[0] for c in found), max(c[0] for c in found)) if found else (0.0, 0.0)
-            for rank, (score, origin, ref) in enumerate(found, 1):
-                key = (origin, ref.shard, ref.faiss_id) if isinstance(ref, Hit) else (origin, -1, ref)
+            at = places[name] = {}
+            if linear and found:
+                low, high = min(c[0] for c in found), max(c[0] for c in found)
+                scale = weight / (high - low) if high > low else 0.0
+            for i, (score, origin, ref) in enumerate(found):
+                key = (ref.shard, ref.faiss_id) if isinstance(ref, Hit) else ref  # a tail row: its int
                 if linear:
-                    share = weight * ((score - low) / (high - low) if high > low else 1.0)
+                    share = (score - low) * scale if scale else weight
                 else:
-                    share = weight / (self.options.rrf_k + rank)
+                    share = weight / (rrf_k + i + 1)
                 total[key] = total.get(key, 0.0) + share
-                found_by.setdefault(key, []).append((name, rank, score))
-                refs[key] = (origin, ref)
-        dense_rank = {key: rank for key, by in found_by.items() for name, rank, _ in by if name == "dense"}
-        best = sorted(total, key=lambda key: (-total[key], dense_rank.get(key, 1 << 30)))[:k]
+                at[key] = i
+                refs.setdefault(key, (origin, ref))
+        dense = places.get("dense", {})
+        best = heapq.nsmallest(k, total, key=lambda key: (-total[key], dense.get(key, 1 << 30)))
         # a linear total carries BM25's scores, which weigh words by documents the caller may not
         # see: such a result shows its place (1 / rank), as keyword search does
         return [(1.0 / rank if linear else total[key], *refs[key],
-                 {name: _shown(name, r, score) for name, r, score in found_by[key]})
+                 {name: _shown(name, at[key] + 1, lists[name][at[key]][0]) for name, at in places.items() if key in at})
                 for rank, key in enumerate(best, 1)]  # fmt: skip
 
     def _materialize(
