@@ -80,7 +80,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "per ranking. Either way a result's score shows only ranks (linear: 1 / its place), never BM25's",
     )
     p.add_argument("--rrf-k", type=int, help="hybrid: the constant k of weight / (k + rank) (10)")
-    p.add_argument("--fusion-depth", type=int, help="hybrid: candidates fused from each ranking (50)")
+    p.add_argument("--fusion-depth", type=int, help="hybrid: candidates fused from each ranking (100)")
 
 
 def _env_help(command: str) -> str:

@@ -50,7 +50,7 @@ class EngineSettings(BaseSettings):
     )
     fusion: str = Field("linear", pattern=r"^(rrf|linear)$", description="hybrid: how rankings are fused")
     rrf_k: int = Field(10, ge=1, description="hybrid: reciprocal rank fusion's constant")
-    fusion_depth: int = Field(50, ge=1, le=1000, description="hybrid: candidates taken from each retriever")
+    fusion_depth: int = Field(100, ge=1, le=1000, description="hybrid: candidates taken from each retriever")
     keyword_memory_mb: int = Field(
         256, ge=0, description="keyword working copies kept in memory (/dev/shm) while they fit; 0: on disk"
     )

@@ -67,7 +67,7 @@ class EngineOptions:
     mode: str = "hybrid"
     #: hybrid: each retriever's candidates, and the fusion's constant and weights (chosen on dev
     #: halves of the Python docs' query sets: benchmarks/quality.py, fusion_choice)
-    fusion_depth: int = 50
+    fusion_depth: int = 100
     #: "linear" (weights × scores min-max normalised per ranking) or "rrf" (reciprocal rank)
     fusion: str = "linear"
     rrf_k: int = 10
