@@ -278,16 +278,20 @@ def wait_ready(
 
 
 def load(
-    url: str, queries: list[str], clients: int, seconds: float, mode: str | None = None, distinct: bool = False
+    url: str,
+    queries: list[str],
+    clients: int,
+    seconds: float,
+    mode: str | None = None,
+    distinct: Iterator[str] | None = None,
 ) -> tuple[list[float], int]:
-    """Clients searching for ``seconds``: each request a random one of ``queries`` or, when
-    ``distinct``, the next one (never repeated, so never in the service's query-embedding
-    cache; the phase ends early when they run out)."""
+    """Clients searching for ``seconds``: each request a random one of ``queries`` or, given
+    ``distinct``, its next query (never repeated, so never in the service's query-embedding
+    cache; the phase ends early when they run out, and the next phase goes on from there)."""
     latencies: list[float] = []
     errors = 0
     stop = time.monotonic() + seconds
     lock = threading.Lock()
-    unused = iter(queries)
 
     def client(i: int) -> None:
         nonlocal errors
@@ -295,7 +299,7 @@ def load(
         with httpx.Client(timeout=30) as http:
             while time.monotonic() < stop:
                 with lock:
-                    query = next(unused, None) if distinct else rng.choice(queries)
+                    query = next(distinct, None) if distinct is not None else rng.choice(queries)
                 if query is None:
                     return
                 t0 = time.perf_counter()
@@ -321,6 +325,7 @@ def bench_http(work: Path, seconds: float) -> None:
     titles = set(queries)
     fresh = [q for q in dict.fromkeys(" ".join(t.split()[:10]) for t in texts) if q.strip() and q not in titles]
     random.Random(3).shuffle(fresh)
+    unasked = iter(fresh)
     proc, url = serve(lake.uri, str(index), work)
     try:
         for mode in ("dense", "hybrid", "keyword"):  # warm-up: shards, keyword files, every code path
@@ -329,10 +334,8 @@ def bench_http(work: Path, seconds: float) -> None:
             for clients in (1, 8):
                 p99: dict[str, float] = {}
                 for mode in ("dense", "hybrid", "keyword"):
-                    asked = fresh if kind == "distinct" else queries
-                    latencies, errors = load(url, asked, clients, seconds, mode, distinct=kind == "distinct")
-                    if kind == "distinct":
-                        fresh = fresh[len(latencies) :]
+                    distinct = unasked if kind == "distinct" else None
+                    latencies, errors = load(url, queries, clients, seconds, mode, distinct)
                     shown = percentiles(latencies)
                     p99[mode] = shown["p99_ms"]
                     emit(bench="http_search", corpus="pydocs", chunks=plan(lake).count, queries=kind, clients=clients,

@@ -658,7 +658,8 @@ def test_a_documents_acl_terms_make_it_public_a_groups_or_nobodys(tmp_path: Path
 
 def test_an_index_of_public_documents_only_searches_without_the_acl_filter_until_one_is_not(tmp_path: Path) -> None:
     # tantivy's block-max WAND works only without the filter: skipped while every document is public
-    index = KeywordIndex(tmp_path / "copy", create=True)
+    path = tmp_path / "copy"
+    index = KeywordIndex(path, create=True)
     assert index.all_public  # empty
     index.add([document(i, None, f"ledger entry {i} " + "audit " * (i % 5), None) for i in range(40)])
     assert index.all_public
@@ -674,10 +675,11 @@ def test_an_index_of_public_documents_only_searches_without_the_acl_filter_until
         index.add([document(101, None, "ledger", None)])  # public documents after it keep the filter on
         assert not index.all_public
         index.close()
-        reopened = KeywordIndex(tmp_path / "copy")  # a copy opened from disk counts its documents
+        reopened = KeywordIndex(path)  # a copy opened from disk counts its documents
         assert not reopened.all_public
         assert 100 not in {m.key for m in reopened.search(terms("ledger audit"), frozenset(), 50)}
-        index = KeywordIndex(tmp_path / f"fresh-{acl[0]}", create=True)
+        path = tmp_path / f"fresh-{acl[0]}"  # the next kind of document goes into an all-public copy
+        index = KeywordIndex(path, create=True)
         index.add([document(i, None, f"ledger entry {i} " + "audit " * (i % 5), None) for i in range(40)])
     index.close()
-    assert KeywordIndex(tmp_path / "fresh-None").all_public
+    assert KeywordIndex(path).all_public
