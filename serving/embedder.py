@@ -4,8 +4,9 @@ Every vector is stored with the :class:`ModelIdentity` of the model that made it
 (name + dimension + a hash of the weights), so vectors of different models never mix
 silently: the lake writer, the index builder and the query path all compare identities.
 
-Backends: ``serving.st_embedder`` (sentence-transformers, the default),
-``serving.onnx_embedder`` (int8 on CPUs) and ``serving.fake_embedder`` (the test double);
+Backends: ``serving.onnx_embedder`` (ONNX Runtime: fp32, the CPU default, and int8),
+``serving.st_embedder`` (sentence-transformers: GPUs, bf16/fp16, and models the ONNX backend
+cannot pool) and ``serving.fake_embedder`` (the test double);
 :func:`load_embedder` builds the one a setting names. Model files: ``serving.models``;
 device and precision: ``serving.devices``.
 
@@ -138,18 +139,42 @@ def _token_batches(order: list[int], lengths: list[int], budget: int) -> list[li
 def load_embedder(model: str | None = None, device: str = "auto", **kwargs: Any) -> Embedder:
     """Build the embedder a setting names: ``"fake"`` or a sentence-transformers model.
 
-    ``dtype="int8"`` selects the quantized CPU backend (``serving.onnx_embedder``).
+    On the CPU, fp32 (the default) runs the model's ONNX export (``serving.onnx_embedder``:
+    the same vectors and identity as sentence-transformers, faster), falling back to
+    sentence-transformers for a model it cannot run; ``dtype="int8"`` selects the quantized
+    export. GPUs, bf16 and fp16 run on sentence-transformers.
     """
     if model == "fake":
         from serving.fake_embedder import FakeEmbedder
 
         return FakeEmbedder(**{k: v for k, v in kwargs.items() if k in ("dim", "token_budget")})
-    if kwargs.get("dtype") == "int8":
+    dtype = kwargs.get("dtype")
+    onnx_kwargs = {k: v for k, v in kwargs.items() if k in ("token_budget", "cpu_threads") and v is not None}
+    if dtype == "int8":
         if device not in ("auto", "cpu"):
             raise EmbedderError(f"--dtype int8 runs on the CPU; drop --device {device} or choose another dtype.")
-        from serving.onnx_embedder import OnnxInt8Embedder
+        from serving.onnx_embedder import OnnxEmbedder
 
-        return OnnxInt8Embedder(model, **{k: v for k, v in kwargs.items() if k in ("token_budget", "cpu_threads")})
+        return OnnxEmbedder(model, "int8", **onnx_kwargs)
+    if dtype in (None, "auto", "fp32") and _on_cpu(device):
+        from serving.models import resolve_model
+        from serving.onnx_embedder import OnnxEmbedder
+
+        resolve_model(model)  # a model that is not there: its own error, not a fallback
+        try:
+            return OnnxEmbedder(model, "fp32", **onnx_kwargs)
+        except EmbedderError as exc:
+            log.warning("%s; embedding with sentence-transformers instead (the same vectors, slower)", exc)
     from serving.st_embedder import SentenceTransformerEmbedder
 
     return SentenceTransformerEmbedder(model, device=device, **kwargs)
+
+
+def _on_cpu(device: str) -> bool:
+    if device == "cpu":
+        return True
+    if device != "auto":
+        return False
+    from serving.devices import pick_device
+
+    return pick_device(device)[0] == "cpu"

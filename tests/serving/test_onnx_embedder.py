@@ -1,4 +1,5 @@
-"""The int8 CPU embedder: a distinct model close to fp32, exported once, offline, and checked."""
+"""The ONNX CPU embedders: fp32 (the CPU default, the same model as sentence-transformers) and
+int8 (a distinct model close to fp32), each exported once, offline, and checked."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from serving import onnx_export
 from serving.embedder import Embedder, EmbedderError, load_embedder
 from serving.models import default_model_path
+from serving.onnx_embedder import OnnxEmbedder
+from serving.st_embedder import SentenceTransformerEmbedder
 from tests.corpus import make_corpus
 
 TEXTS = [
@@ -47,6 +50,36 @@ def test_int8_is_a_distinct_model_whose_vectors_stay_close_to_fp32(real_embedder
     assert a[0] @ a[1] > a[0] @ a[2] + 0.2
 
 
+def test_the_cpu_default_is_the_onnx_fp32_export_the_same_model_as_sentence_transformers(real_embedder) -> None:
+    onnx = load_embedder(device="cpu")
+    assert isinstance(onnx, OnnxEmbedder) and isinstance(load_embedder(device="cpu", dtype="fp32"), OnnxEmbedder)
+    assert onnx.identity == real_embedder.identity  # one model: lakes and indexes of either serve the other
+    texts = TEXTS + [body for _, body, _ in make_corpus(seed=3, docs=20).expected.values()]
+    a, b = onnx.embed(texts), real_embedder.embed(texts)
+    assert np.abs(a - b).max() < 1e-5, np.abs(a - b).max()  # measured: 2e-7
+    assert onnx.count_tokens(TEXTS) == real_embedder.count_tokens(TEXTS) and onnx.max_tokens == real_embedder.max_tokens
+    single = np.vstack([onnx.embed([t]) for t in texts[:5]])
+    assert np.array_equal(single, a[:5])  # each text runs alone: its vector never depends on its batch-mates
+    # bf16 and fp16 stay on sentence-transformers
+    assert isinstance(load_embedder(device="cpu", dtype="bf16"), SentenceTransformerEmbedder)
+
+
+def test_a_model_the_onnx_backend_cannot_run_falls_back_to_sentence_transformers(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import serving.onnx_embedder
+
+    def unsupported(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise EmbedderError("the ONNX fp32 backend supports Transformer → Pooling (→ Normalize) models")
+
+    monkeypatch.setattr(serving.onnx_embedder, "OnnxEmbedder", unsupported)
+    found = load_embedder(device="cpu")
+    assert isinstance(found, SentenceTransformerEmbedder)
+    assert "embedding with sentence-transformers instead" in caplog.text
+    with pytest.raises(EmbedderError, match="nothing is downloaded"):  # a missing model is its own error
+        load_embedder("no-such-model", device="cpu")
+
+
 def test_int8_runs_on_the_cpu_only_and_only_for_models_it_can_pool(tmp_path: Path) -> None:
     with pytest.raises(EmbedderError, match="runs on the CPU"):
         load_embedder(device="cuda", dtype="int8")
@@ -56,6 +89,8 @@ def test_int8_runs_on_the_cpu_only_and_only_for_models_it_can_pool(tmp_path: Pat
     (model / "modules.json").write_text(json.dumps([{"type": f"sentence_transformers.models.{k}"} for k in kinds]))
     with pytest.raises(EmbedderError, match="Transformer → Pooling → Dense"):
         load_embedder(str(model), dtype="int8")
+    with pytest.raises(EmbedderError, match="no ONNX export for precision 'fp16'"):
+        onnx_export.ensure_onnx(model, "fp16")
 
 
 def _model_copy(tmp_path: Path) -> Path:
@@ -79,7 +114,9 @@ def test_export_happens_once_under_concurrency_is_reproducible_and_rebuilt_when_
 
     monkeypatch.setattr(onnx_export.subprocess, "run", counting_run)
     results: list[tuple[Path, str]] = []
-    threads = [threading.Thread(target=lambda: results.append(onnx_export.ensure_int8(model))) for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(onnx_export.ensure_onnx(model, "int8"))) for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -87,12 +124,12 @@ def test_export_happens_once_under_concurrency_is_reproducible_and_rebuilt_when_
     assert len(exports) == 1 and len(results) == 2 and results[0] == results[1]
     path, sha = results[0]
     assert path.parent == tmp_path / "model.int8" and not list(model.rglob("*.onnx"))  # beside, not inside
-    assert sha == onnx_export.ensure_int8(default_model_path())[1]  # deterministic: every replica agrees
+    assert sha == onnx_export.ensure_onnx(default_model_path(), "int8")[1]  # deterministic: every replica agrees
 
     # A file that is not what was written is exported again, to the same bytes.
     with path.open("ab") as fh:
         fh.write(b"rot")
-    assert onnx_export.ensure_int8(model) == (path, sha) and len(exports) == 2
+    assert onnx_export.ensure_onnx(model, "int8") == (path, sha) and len(exports) == 2
 
     # Another recipe (or other source weights) invalidates the cache; a failed export says why.
     meta = path.parent / onnx_export.META_FILE
@@ -101,5 +138,15 @@ def test_export_happens_once_under_concurrency_is_reproducible_and_rebuilt_when_
         onnx_export.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "Boom: out of disk")
     )
     with pytest.raises(EmbedderError, match=r"(?s)ONNX int8 failed.*out of disk"):
-        onnx_export.ensure_int8(model)
+        onnx_export.ensure_onnx(model, "int8")
     assert not meta.exists()  # nothing half-written is taken for a valid cache later
+
+
+def test_the_fp32_export_is_cached_beside_the_model_apart_from_int8_and_reproducible(tmp_path: Path) -> None:
+    model = _model_copy(tmp_path)
+    path, sha = onnx_export.ensure_onnx(model, "fp32")
+    assert path.parent == tmp_path / "model.fp32" and not list(model.rglob("*.onnx"))
+    assert sha == onnx_export.ensure_onnx(default_model_path(), "fp32")[1]  # every replica agrees
+    assert sha != onnx_export.ensure_onnx(default_model_path(), "int8")[1]
+    meta = json.loads((path.parent / onnx_export.META_FILE).read_text())
+    assert meta["recipe"] == onnx_export.RECIPES["fp32"]
