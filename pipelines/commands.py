@@ -100,14 +100,15 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--device", help="auto (default: CUDA fp16 when present), cpu or cuda")
     p.add_argument(
         "--dtype",
-        help="auto (default), fp32, bf16 (faster on AVX512-BF16 CPUs), fp16 or int8 (ONNX Runtime on CPUs, "
-        "~2x fp32; a distinct model: serve the index with --dtype int8 too)",
+        help="auto (default: fp32 on CPUs, run by ONNX Runtime; fp16 on GPUs), fp32, bf16 (faster on AVX512-BF16 "
+        "CPUs), fp16 or int8 (ONNX Runtime on CPUs, ~1.4x fp32; a distinct model: serve the index with --dtype int8 "
+        "too)",
     )
     p.add_argument(
         "--cpu-threads",
         type=int,
-        help="threads the model uses on CPU (default: one for a small batch such as a lone change, "
-        "every core for a backlog)",
+        help="threads the model uses on CPU (default: every core; ONNX Runtime runs each text alone on one, so a "
+        "lone change takes one thread and a backlog every core)",
     )
     p.add_argument("--writers", type=int, help="lake writers (fixed when the lake is created; default 2)")
     p.add_argument("--job-name", help="names this job's lake writers (default 'ingest')")

@@ -32,7 +32,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpu-threads",
         type=int,
-        help="threads per query embedding on CPU (default: one for a few queries, every core for a large batch)",
+        help="threads for query embedding on CPU (default: every core; each query runs alone on one)",
     )
     p.add_argument("--nprobe", type=int, help="IVF lists probed per query (default 16%% of the lists, 32 to 128)")
     p.add_argument(

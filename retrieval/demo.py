@@ -76,7 +76,7 @@ def add_command(sub: Any) -> None:
     p.add_argument(
         "--dtype",
         default="int8",
-        help="embedding precision of the ingest job and the API: int8 (default: 2.2x fp32's throughput, the "
+        help="embedding precision of the ingest job and the API: int8 (default: 2.1x fp32's throughput, the "
         "same nDCG@10 on the Python FAQ) or fp32",
     )
     p.set_defaults(func=cmd_demo)

@@ -241,3 +241,8 @@ def test_images_install_the_project_as_the_makefile_does() -> None:
             assert f"COPY {pkg} {pkg}" in text, f"{name} misses {pkg}"
         assert pin.group(1) in text and "torch==2.13.0" in text
         assert 'ENTRYPOINT ["streamrag"]' in text
+    # the CPU image exports the embedders' ONNX files as root, beside the model, as make does: the
+    # unprivileged user would export them again in every new container
+    cpu = (INFRA / "Dockerfile").read_text()
+    assert "$(PY) -m serving.onnx_export" in makefile
+    assert -1 < cpu.find("RUN python -m serving.onnx_export") < cpu.find("USER streamrag")
