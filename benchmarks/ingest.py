@@ -297,7 +297,7 @@ def bench_stream(bootstrap: str, work: Path, docs: int, rate: float) -> None:
         "--recovery-dir",
         str(work / "stream" / "recovery"),
         "--until-idle",
-        "8",
+        "30",  # idle from its start until the feeder below begins: the job must not end first
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rng = random.Random(3)

@@ -101,7 +101,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument(
         "--dtype",
         help="auto (default: fp32 on CPUs, run by ONNX Runtime; fp16 on GPUs), fp32, bf16 (faster on AVX512-BF16 "
-        "CPUs), fp16 or int8 (ONNX Runtime on CPUs, ~1.4x fp32; a distinct model: serve the index with --dtype int8 "
+        "CPUs), fp16 or int8 (ONNX Runtime on CPUs, ~2x fp32; a distinct model: serve the index with --dtype int8 "
         "too)",
     )
     p.add_argument(

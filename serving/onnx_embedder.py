@@ -3,8 +3,8 @@
 ``fp32`` (the CPU default): the model's own graph, so the same model as sentence-transformers
 (its vectors agree to 2e-7, the size of the differences sentence-transformers' own padding
 makes between batchings) and the same :class:`ModelIdentity`. Without torch's padded
-batches and intra-op threads it is faster on CPUs: 1.7x for a lone text, 3-4x for the small
-batches of a stream, 1.6x for a backlog of long chunks (2 AVX2 cores, docs/PITFALLS.md).
+batches and intra-op threads it is faster on CPUs: 1.7-1.8x for a lone text, 3-4x for the
+small batches of a stream, 1.2-1.6x for one large batch (2 AVX-512 cores, docs/PITFALLS.md).
 
 ``int8`` (``--dtype int8``): a quantized export, about 2x the chunks/s of sentence-transformers
 fp32 at cosine ~0.99 to its vectors (figures: ``serving.onnx_export`` and
@@ -130,7 +130,10 @@ def _pipeline(path: Path, precision: str = "int8") -> tuple[str, int, int]:
             f"{what} supports Transformer → Pooling (→ Normalize) models; {path} has {' → '.join(kinds)}."
         )
     pooling_dir = path / modules[1].get("path", "1_Pooling")
-    config = json.loads((pooling_dir / "config.json").read_text())
+    try:
+        config = json.loads((pooling_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise EmbedderError(f"{pooling_dir} has no readable config.json: {what} needs its pooling settings") from exc
     modes = [mode for key, mode in POOLINGS.items() if config.get(key)]
     if len(modes) != 1 or any(config.get(k) for k in config if k.startswith("pooling_mode") and k not in POOLINGS):
         raise EmbedderError(f"{what} supports mean, CLS or max pooling alone; {pooling_dir} asks for {config}.")
