@@ -4,9 +4,8 @@ A sentence-transformers model's transformer is exported to ONNX, as is (``fp32``
 default: the same vectors as sentence-transformers to 2e-7, run one text per thread without
 padding) or with its matrix products quantized to int8 by ONNX Runtime (``int8``, dynamic
 quantization: weights int8 per output channel, activations quantized per run). The int8
-recipe was chosen by measurement on
-all-MiniLM-L6-v2 on a 2-core AVX2 CPU (no VNNI), 256 texts, against sentence-transformers
-fp32 (see docs/PITFALLS.md):
+recipe was chosen by measurement on all-MiniLM-L6-v2 on a 2-core AVX2 CPU (no VNNI), 256
+texts, against sentence-transformers fp32 (see docs/PITFALLS.md):
 
 ==========================================  ==========  =============================
 recipe                                      speed-up    cosine to fp32 (mean / min)
