@@ -41,6 +41,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -158,55 +159,42 @@ def bench_throughput(
         model.encode(texts, batch_size=64, normalize_embeddings=True)
         raws.append(time.perf_counter() - t0)
     raw = min(raws)
-    emit(
-        bench="ingest_throughput",
-        dtype="fp32",
-        backend=type(default).__name__,
-        docs=docs,
-        chunks=len(texts),
-        embedded=int(embedded_d),
-        pipeline_s=round(seconds_d, 2),
-        pipeline_in_model_s=round(model_s_d, 2),
-        pipeline_chunks_per_s=round(len(texts) / seconds_d, 1),
-        encode_s=round(raw, 2),
-        encode_chunks_per_s=round(len(texts) / raw, 1),
-        ratio=round(raw / seconds_d, 3),
-        vs_sentence_transformers_pipeline=round(seconds / seconds_d, 2),
+
+    def row(dtype: str, backend: Embedder, seconds_b: float, embedded_b: float, model_s_b: float, **extra: Any) -> None:
+        emit(
+            bench="ingest_throughput",
+            dtype=dtype,
+            backend=type(backend).__name__,
+            docs=docs,
+            chunks=len(texts),
+            embedded=int(embedded_b),
+            pipeline_s=round(seconds_b, 2),
+            pipeline_in_model_s=round(model_s_b, 2),
+            pipeline_chunks_per_s=round(len(texts) / seconds_b, 1),
+            **extra,
+        )
+
+    def fp32_row(backend: Embedder, seconds_b: float, embedded_b: float, model_s_b: float, **extra: Any) -> None:
+        encode = {"encode_s": round(raw, 2), "encode_chunks_per_s": round(len(texts) / raw, 1)}
+        row("fp32", backend, seconds_b, embedded_b, model_s_b, **encode, ratio=round(raw / seconds_b, 3), **extra)
+
+    fp32_row(
+        default, seconds_d, embedded_d, model_s_d, vs_sentence_transformers_pipeline=round(seconds / seconds_d, 2),
         target=">= 0.9",
-    )
-    emit(
-        bench="ingest_throughput",
-        dtype="fp32",
-        backend=type(embedder).__name__,
-        docs=docs,
-        chunks=len(texts),
-        embedded=int(embedded),
-        pipeline_s=round(seconds, 2),
-        pipeline_in_model_s=round(model_s, 2),
-        pipeline_chunks_per_s=round(len(texts) / seconds, 1),
-        encode_s=round(raw, 2),
-        encode_chunks_per_s=round(len(texts) / raw, 1),
-        ratio=round(raw / seconds, 3),
-    )
+    )  # fmt: skip
+    fp32_row(embedder, seconds, embedded, model_s)
     if int8 is None:
         return
     int8.embed([paragraph(rng) for _ in range(64)])  # warm-up
     seconds8, embedded8, model_s8, texts8 = pipeline_pass(bootstrap, work, "throughput-int8", int8, events)
     assert texts8 == texts, "the int8 tokenizer chunked differently"
-    emit(
-        bench="ingest_throughput",
-        dtype="int8",
-        docs=docs,
-        chunks=len(texts),
-        embedded=int(embedded8),
-        pipeline_s=round(seconds8, 2),
-        pipeline_in_model_s=round(model_s8, 2),
-        pipeline_chunks_per_s=round(len(texts) / seconds8, 1),
+    row(
+        "int8", int8, seconds8, embedded8, model_s8,
         vs_fp32_pipeline=round(seconds / seconds8, 2),
         vs_fp32_default_pipeline=round(seconds_d / seconds8, 2),
         vs_fp32_encode=round(raw / seconds8, 2),
         target="vs_fp32_pipeline (sentence-transformers) >= 2",
-    )
+    )  # fmt: skip
 
 
 def pipeline_pass(
