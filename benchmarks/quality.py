@@ -22,6 +22,9 @@ candidate. Reported per system: nDCG@10, recall@10 and MRR (first relevant chunk
   reciprocal rank fusion's, and each weight/constant of a small grid for both; the keyword
   ranking of a query that is an identifier (``os.replace``:
   ``indexing.keyword.identifier_query``) or a sentence naming code has its own weight and grid;
+- ``hybrid(feedback m=M,b=B)``: the default fusion, its dense ranking searched again with the
+  query moved towards the mean vector of its first M chunks at weight B (pseudo-relevance
+  feedback, Rocchio; ``serve --feedback-docs M --feedback-weight B``; M = 0: none);
 - ``ivf(context=w)`` and ``hybrid(context=w,w=k)``: the same over a lake whose vectors mix
   each chunk's with its neighbours' at weight w instead, as ``ingest --context-weight w``
   writes them (w = 0: each chunk's own vector), hybrid at keyword weights k of 0.25, 0.5
@@ -199,6 +202,9 @@ IDENTIFIER = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 #: the default fusion's keyword weight for sentences that hold a code-like token
 #: (indexing.keyword.mentions_code)
 CODE = (0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
+#: hybrid's pseudo-relevance feedback (retrieval.views.EngineOptions.feedback_docs, feedback_weight):
+#: (chunks, weight), (0, 0) = none
+FEEDBACK = ((0, 0.0), (1, 0.3), (1, 0.6), (1, 1.0), (2, 0.6), (3, 0.6))
 #: context weights measured beside the ingest job's default (``--context-weight``; 0: none)
 CONTEXT = (0.0, 0.5, 1.5)
 
@@ -308,6 +314,10 @@ def main() -> None:
                         engine.options = dataclasses.replace(defaults, keyword_weight=weight, fusion="linear")
                         system = f"hybrid(linear,w={weight})"
                         ranked[name][system], took = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
+                    for docs, weight in FEEDBACK:
+                        engine.options = dataclasses.replace(defaults, feedback_docs=docs, feedback_weight=weight)
+                        system = f"hybrid(feedback m={docs},b={weight})"
+                        ranked[name][system], took = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
                     engine.options = rrf
                     ranked[name]["hybrid(rrf)"], took = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
                     engine.options = defaults
@@ -381,6 +391,24 @@ def main() -> None:
              held_out_identifiers_recall_vs_dense=round(
                  on("identifiers", chosen, held_rows)["recall@10"] / on("identifiers", "ivf", held_rows)["recall@10"], 4
              ))  # fmt: skip
+
+    # Feedback: the best dev FAQ nDCG@10 among those that keep every set's dev nDCG@10 at least
+    # the no-feedback fusion's (less 0.005); then how it does on the held-out halves.
+    plain = "hybrid(feedback m=0,b=0.0)"
+    grid = [f"hybrid(feedback m={m},b={b})" for m, b in FEEDBACK]
+
+    def keeps(system: str) -> bool:
+        return all(on(n, system, dev_rows)["ndcg@10"] >= on(n, plain, dev_rows)["ndcg@10"] - 0.005 for n in sets)
+
+    eligible = [system for system in grid if keeps(system)]
+    chosen = max(eligible, key=lambda system: on("faq", system, dev_rows)["ndcg@10"])
+    emit(bench="feedback_choice", chosen=chosen, default_docs=defaults.feedback_docs,
+         default_weight=defaults.feedback_weight,
+         **{f"{part}_{name}_ndcg_vs_no_feedback": round(on(name, chosen, rows)["ndcg@10"]
+                                                        / on(name, plain, rows)["ndcg@10"], 4)
+            for part, rows in (("dev", dev_rows), ("held_out", held_rows)) for name in sets},
+         held_out_faq_ndcg_vs_dense=round(on("faq", chosen, held_rows)["ndcg@10"]
+                                          / on("faq", "ivf", held_rows)["ndcg@10"], 4))  # fmt: skip
 
     def at(name: str, label: str, weight: float, rows: dict[str, list[int]]) -> dict[str, float]:
         return on(name, f"hybrid({label} w={weight})", rows)

@@ -81,6 +81,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rrf-k", type=int, help="hybrid: the constant k of weight / (k + rank) (10)")
     p.add_argument("--fusion-depth", type=int, help="hybrid: candidates fused from each ranking (100)")
+    p.add_argument(
+        "--feedback-docs",
+        type=int,
+        help="hybrid: pseudo-relevance feedback: the dense ranking searches with the query vector moved towards "
+        "the mean vector of its N nearest chunks that the caller may see; 0: off (1)",
+    )
+    p.add_argument("--feedback-weight", type=float, help="hybrid: the feedback chunks' weight, the query's 1 (0.6)")
 
 
 def _env_help(command: str) -> str:
@@ -210,6 +217,8 @@ def _engine(config: EngineSettings) -> Any:
         mode=config.mode,
         rrf_k=config.rrf_k,
         fusion_depth=config.fusion_depth,
+        feedback_docs=config.feedback_docs,
+        feedback_weight=config.feedback_weight,
         keyword_dir=str(keyword_dir(config.cache_dir or default_cache_dir())),
         keyword_memory_bytes=config.keyword_memory_mb << 20,
         **fusion_options(

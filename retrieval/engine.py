@@ -36,6 +36,11 @@ from retrieval.tail import TailState
 from retrieval.views import MODES, EngineOptions, View, Views
 from serving.embedder import Embedder
 
+#: hybrid's feedback search (``SearchEngine._feedback``) probes this fraction of the lists a
+#: query probes: on the Python docs' quality sets (975 queries, 802 lists) the nearest chunk
+#: over 32 lists was the one over 128 for 98% of them, in 0.16 ms instead of 0.43
+FEEDBACK_PROBE_SHARE = 4
+
 
 class SearchEngine(Views):
     """Searches the views :class:`Views` keeps: ``search`` for text, ``search_vector`` for a vector."""
@@ -158,6 +163,8 @@ class SearchEngine(Views):
         if mode != "keyword":
             assert vector is not None
             try:
+                if mode == "hybrid" and self.options.feedback_docs:
+                    vector = self._feedback(view, vector, allow, tail_allowed)
                 lists["dense"], nprobe = self._dense(reader, tail, vector, depth, k, allow, tail_allowed)
             except BaseException:
                 if keyword is not None:
@@ -185,12 +192,14 @@ class SearchEngine(Views):
         need: int,
         allow: Allow,
         tail_allowed: np.ndarray,
+        share: int = 1,
     ) -> tuple[list[Candidate], int]:
         """The ``depth`` nearest visible chunks (cosine similarity, best first), and the lists
         probed: more lists while the probed ones hold fewer than ``need`` (hybrid fusion takes
-        ``depth`` candidates when they are there, but widens only for the ``k`` it returns)."""
+        ``depth`` candidates when they are there, but widens only for the ``k`` it returns).
+        ``share`` > 1 starts from that fraction of the lists the options say."""
         nlist = reader.manifest.nlist
-        nprobe = min(self.options.nprobe or default_nprobe(nlist), nlist)
+        nprobe = max(1, min(self.options.nprobe or default_nprobe(nlist), nlist) // share)
         query = np.ascontiguousarray(vector[None, :], dtype=np.float32)
         while True:
             hits = reader.search(query, depth, nprobe, allow, rerank=self.options.rerank)[0]
@@ -202,6 +211,22 @@ class SearchEngine(Views):
         merged += [(d, "tail", i) for i, d in tail.search(vector, depth, tail_allowed)]
         merged.sort(key=lambda m: m[0])
         return [(1.0 - d / 2.0, origin, ref) for d, origin, ref in merged[:depth]], nprobe
+
+    def _feedback(self, view: View, vector: np.ndarray, allow: Allow, tail_allowed: np.ndarray) -> np.ndarray:
+        """Rocchio's pseudo-relevance feedback: the query moved towards the mean vector of its
+        ``feedback_docs`` nearest chunks that the caller may see (so the new query depends on
+        nothing hidden from them), unit length again. Those few are found over a quarter of the
+        probed lists (``FEEDBACK_PROBE_SHARE``)."""
+        m = self.options.feedback_docs
+        best = self._dense(view.reader, view.tail, vector, m, m, allow, tail_allowed, FEEDBACK_PROBE_SHARE)[0]
+        if not best:
+            return vector
+        hits = [ref for _, _, ref in best if isinstance(ref, Hit)]
+        rows = [ref for _, _, ref in best if not isinstance(ref, Hit)]
+        mean = np.concatenate([view.reader.vectors(hits), view.tail.vectors[rows]]).mean(axis=0)
+        moved = np.asarray(vector, np.float32) + self.options.feedback_weight * mean
+        norm = float(np.linalg.norm(moved))
+        return (moved / norm if norm > 0 else np.asarray(vector, np.float32)).astype(np.float32)
 
     def _keyword_weight(self, query: str) -> float:
         """The keyword ranking's weight for this query: an identifier's, a sentence's that holds

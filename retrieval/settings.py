@@ -51,6 +51,10 @@ class EngineSettings(BaseSettings):
     fusion: str = Field("linear", pattern=r"^(rrf|linear)$", description="hybrid: how rankings are fused")
     rrf_k: int = Field(10, ge=1, description="hybrid: reciprocal rank fusion's constant")
     fusion_depth: int = Field(100, ge=1, le=1000, description="hybrid: candidates taken from each retriever")
+    feedback_docs: int = Field(
+        1, ge=0, le=100, description="hybrid: chunks whose mean vector moves the query (relevance feedback; 0: off)"
+    )
+    feedback_weight: float = Field(0.6, ge=0, description="hybrid: the feedback chunks' weight beside the query's 1")
     keyword_memory_mb: int = Field(
         256, ge=0, description="keyword working copies kept in memory (/dev/shm) while they fit; 0: on disk"
     )

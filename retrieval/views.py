@@ -72,6 +72,11 @@ class EngineOptions:
     fusion: str = "linear"
     rrf_k: int = 10
     dense_weight: float = 1.0
+    #: hybrid: pseudo-relevance feedback (Rocchio) for the dense ranking: the query vector plus
+    #: ``feedback_weight`` × the mean of the ``feedback_docs`` best visible chunks' vectors is
+    #: searched again, and that ranking is fused (0: off). Measured by benchmarks/quality.py
+    feedback_docs: int = 1
+    feedback_weight: float = 0.6
     #: the keyword ranking's weight for a plain sentence
     keyword_weight: float = FUSION_WEIGHTS["linear"]["keyword_weight"]
     #: the keyword ranking's weight for a query that is an identifier, not a sentence (``os.replace``,

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import tantivy
 
@@ -253,6 +254,38 @@ def test_linear_fusion_adds_normalised_scores_and_shows_only_places() -> None:
     # a heavier keyword ranking puts BM25's best first; one candidate in a ranking normalises to 1
     assert picked[0][2] == 0 and engine._fuse({"dense": dense, "keyword": keyword}, 1, 2.0)[0][2] == 2
     assert [ref for _, _, ref, _ in engine._fuse({"dense": dense[:1], "keyword": keyword[2:]}, 2, 0.5)] == [0, 1]
+
+
+def test_feedback_moves_the_query_towards_the_best_chunks_the_caller_may_see(setup) -> None:  # type: ignore[no-untyped-def]
+    # hybrid's dense ranking searches again with the query plus 0.6 x the mean of its first
+    # chunks' vectors (Rocchio): chunks the caller may see, never a hidden one
+    engine, lake, _ = setup
+    embed = lake.embedder.embed
+    query = "zebra quokka alpha"
+    hidden, best, next_best = (Doc(900, query, ("hr",)), Doc(901, "zebra quokka alpha gamma"),
+                               Doc(902, "zebra beta gamma"))  # fmt: skip
+    lake.write([hidden, best, next_best])
+    engine._tail.poll()
+    q = embed([query])[0]
+
+    def check(principal: Principal, feedback: list[Doc]) -> dict[str, float]:
+        """Each result's dense score is the one the query moved towards ``feedback`` gives it."""
+        moved = q + 0.6 * embed([d.text for d in feedback]).mean(axis=0) if feedback else q
+        moved /= np.linalg.norm(moved)
+        found = engine.search(query, k=10, principal=principal, mode="hybrid")
+        shown = {r["chunk_id"]: r["retrievers"]["dense"]["score"] for r in found.results if "dense" in r["retrievers"]}
+        texts = {r["chunk_id"]: r["text"] for r in found.results}
+        assert best.chunk_id in shown and next_best.chunk_id in shown
+        assert shown == pytest.approx({c: float(embed([texts[c]])[0] @ moved) for c in shown}, abs=1e-4)
+        return shown
+
+    assert (engine.options.feedback_docs, engine.options.feedback_weight) == (1, 0.6)  # the defaults
+    for docs in (1, 2, 0):
+        engine.options = dataclasses.replace(engine.options, feedback_docs=docs)
+        assert hidden.chunk_id not in check(ANONYMOUS, [best, next_best][:docs])
+        assert hidden.chunk_id in check(HR, [hidden, best][:docs])
+    # dense mode never moves the query
+    assert engine.search(query, k=1, mode="dense", principal=HR).results[0]["score"] == pytest.approx(1.0, abs=1e-4)
 
 
 def test_hybrid_queries_from_many_threads_answer_as_one_at_a_time(setup) -> None:  # type: ignore[no-untyped-def]
