@@ -257,8 +257,8 @@ def test_linear_fusion_adds_normalised_scores_and_shows_only_places() -> None:
 
 
 def test_feedback_moves_the_query_towards_the_best_chunks_the_caller_may_see(setup) -> None:  # type: ignore[no-untyped-def]
-    # hybrid's dense ranking searches again with the query plus 0.6 x the mean of its first
-    # chunks' vectors (Rocchio): chunks the caller may see, never a hidden one
+    # hybrid's dense ranking searches with the query plus 0.6 x the mean vector of its nearest
+    # chunks (Rocchio): chunks the caller may see, never a hidden one
     engine, lake, _ = setup
     embed = lake.embedder.embed
     query = "zebra quokka alpha"
