@@ -58,7 +58,11 @@ class OnnxEmbedder(Embedder):
 
         name, path = resolve_model(model)
         self._pooling, dim, self.max_tokens = _pipeline(path, precision)
-        onnx_file, sha = ensure_onnx(path, precision)
+        try:
+            source = weights_hash(path)  # hashed once: the export cache's key and fp32's identity
+        except OSError as exc:
+            raise EmbedderError(f"cannot read the weights of {path}: {exc}") from exc
+        onnx_file, sha = ensure_onnx(path, precision, source)
         self._tokenizer = AutoTokenizer.from_pretrained(str(path))
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1  # one text per thread: see embed_batch
@@ -71,9 +75,7 @@ class OnnxEmbedder(Embedder):
         )
         # fp32 is the model itself (sentence-transformers' vectors to 2e-7); int8 is another model
         self._identity = (
-            ModelIdentity(name, dim, weights_hash(path))
-            if precision == "fp32"
-            else ModelIdentity(name + INT8_SUFFIX, dim, sha)
+            ModelIdentity(name, dim, source) if precision == "fp32" else ModelIdentity(name + INT8_SUFFIX, dim, sha)
         )
         log.info(
             "embedder %s on cpu (ONNX Runtime %s, %d threads, %s)", self._identity, precision, self._threads, onnx_file

@@ -77,20 +77,20 @@ def file_sha256(path: Path) -> str:
     return str(feed(hashlib.sha256(), path).hexdigest())
 
 
-def ensure_onnx(model_dir: Path, precision: str = "int8") -> tuple[Path, str]:
+def ensure_onnx(model_dir: Path, precision: str = "int8", source: str | None = None) -> tuple[Path, str]:
     """(model file of ``precision``: "int8" or "fp32", its sha256), exporting it first if the
-    cache lacks a valid one."""
+    cache lacks a valid one. ``source``: the model's ``weights_hash`` when the caller already
+    has it (hashed here otherwise)."""
     if precision not in RECIPES:
         raise EmbedderError(f"no ONNX export for precision {precision!r}; use {' or '.join(RECIPES)}.")
     target = cache_dir(model_dir, precision)
     try:
-        return _ensure(model_dir, target, precision)
+        return _ensure(model_dir, target, precision, source or weights_hash(model_dir))
     except OSError as exc:
         raise EmbedderError(f"cannot write the {precision} model cache at {target}: {exc}") from exc
 
 
-def _ensure(model_dir: Path, target: Path, precision: str) -> tuple[Path, str]:
-    source = weights_hash(model_dir)
+def _ensure(model_dir: Path, target: Path, precision: str, source: str) -> tuple[Path, str]:
     recipe = RECIPES[precision]
     found = _cached(target, source, recipe)
     if found is not None:
@@ -204,9 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     from serving.models import resolve_model
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        model_dir = resolve_model(args[0] if args else None)[1]
+    except EmbedderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     for precision in RECIPES:
         try:
-            path, sha = ensure_onnx(resolve_model(args[0] if args else None)[1], precision)
+            path, sha = ensure_onnx(model_dir, precision)
         except EmbedderError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
