@@ -22,8 +22,8 @@ candidate. Reported per system: nDCG@10, recall@10 and MRR (first relevant chunk
   reciprocal rank fusion's, and each weight/constant of a small grid for both; the keyword
   ranking of a query that is an identifier (``os.replace``:
   ``indexing.keyword.identifier_query``) or a sentence naming code has its own weight and grid;
-- ``hybrid(feedback m=M,b=B)``: the default fusion, its dense ranking searched with the query
-  moved towards the mean vector of its M nearest chunks at weight B (pseudo-relevance
+- ``hybrid(feedback m=M,b=B)``: the default fusion, its dense candidates ranked again by the
+  query moved towards the mean vector of the M nearest of them at weight B (pseudo-relevance
   feedback, Rocchio; ``serve --feedback-docs M --feedback-weight B``; M = 0: none);
 - ``ivf(context=w)`` and ``hybrid(context=w,w=k)``: the same over a lake whose vectors mix
   each chunk's with its neighbours' at weight w instead, as ``ingest --context-weight w``

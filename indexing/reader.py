@@ -89,7 +89,34 @@ class LoadedShard:
         ids = int(self.id_map.nbytes) if self.id_map is not None and self.load_ids is None else 0
         if self.lists is not None:
             return self.lists.table.nbytes + ids
-        return int(self.index.ntotal) * int(self.index.code_size) + ids
+        # 8 bytes an entry: the direct map ``flat_vectors`` makes on a hybrid query's first use
+        return int(self.index.ntotal) * (int(self.index.code_size) + 8) + ids
+
+
+def flat_vectors(shard: LoadedShard, faiss_ids: np.ndarray) -> np.ndarray:
+    """The stored vectors of a float shard's entries, in one faiss call through the index's
+    direct map (made on first use, 8 bytes an entry; searches never read it). A shard whose
+    ids are not 0..n-1 has none: its entries are found one by one (``stored_vector``)."""
+    direct = shard.derived.get(_DIRECT_MAP)
+    if direct is None:
+        with shard._ids_lock:
+            direct = shard.derived.get(_DIRECT_MAP)
+            if direct is None:
+                try:
+                    shard.index.make_direct_map(True)
+                    direct = True
+                except RuntimeError as exc:  # faiss: "direct map supported only for sequential ids"
+                    log.info("shard entries looked up one by one: %s", exc)
+                    direct = False
+                shard.derived[_DIRECT_MAP] = direct
+    if not direct:
+        return np.stack([stored_vector(shard, int(i)) for i in faiss_ids])
+    found: np.ndarray = shard.index.reconstruct_batch(faiss_ids)
+    return found
+
+
+#: ``LoadedShard.derived``'s key for whether its index has a direct map (``flat_vectors``)
+_DIRECT_MAP = "direct map"
 
 
 def stored_vector(shard: LoadedShard, faiss_id: int) -> np.ndarray:
@@ -503,13 +530,53 @@ class IndexReader:
         then the best k of them by their exact float vectors (fetched by range); ``moved``
         counts the requests and bytes its fetches took.
         """
+        return self._search(queries, k, nprobe, allow, rerank, moved, False)[0]
+
+    def search_with_vectors(
+        self,
+        queries: np.ndarray,
+        k: int,
+        nprobe: int = 16,
+        allow: Allow | None = None,
+        rerank: int | None = None,
+        moved: Fetched | None = None,
+    ) -> tuple[list[list[Hit]], list[np.ndarray]]:
+        """``search``, and each query's hits' stored vectors (a compressed index's are those its
+        exact re-ranking read: no second read)."""
+        hits, vectors = self._search(queries, k, nprobe, allow, rerank, moved, True)
+        assert vectors is not None
+        return hits, vectors
+
+    def _search(
+        self,
+        queries: np.ndarray,
+        k: int,
+        nprobe: int,
+        allow: Allow | None,
+        rerank: int | None,
+        moved: Fetched | None,
+        with_vectors: bool,
+    ) -> tuple[list[list[Hit]], list[np.ndarray] | None]:
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         coarse_d, lists = self.probe(queries, nprobe)
         held = self.holding(lists)
         loaded = self.shards(held)
         if self.manifest.codec != "flat":
             rerank = rerank or default_rerank(self.manifest.codec)
-            return self._search_ranged(queries, lists, held, loaded, k, allow, rerank, moved)
+            return self._search_ranged(queries, lists, held, loaded, k, allow, rerank, moved, with_vectors)
+        found = self._search_flat(queries, lists, coarse_d, held, loaded, k, allow)
+        return found, [self.vectors(hits) for hits in found] if with_vectors else None
+
+    def _search_flat(
+        self,
+        queries: np.ndarray,
+        lists: np.ndarray,
+        coarse_d: np.ndarray,
+        held: dict[int, np.ndarray],
+        loaded: dict[int, LoadedShard],
+        k: int,
+        allow: Allow | None,
+    ) -> list[list[Hit]]:
         n = len(queries)
         masks = {s: self.row_mask(s, shard, allow) for s, shard in loaded.items()}
         found_d, found_i, found_s = [], [], []
@@ -589,9 +656,11 @@ class IndexReader:
         allow: Allow | None,
         rerank: int,
         moved: Fetched | None,
-    ) -> list[list[Hit]]:
+        with_vectors: bool = False,
+    ) -> tuple[list[list[Hit]], list[np.ndarray] | None]:
         """Probed lists fetched by range (every shard's at once), scanned by their codes,
-        the best ``rerank`` × k re-ranked exactly."""
+        the best ``rerank`` × k re-ranked exactly (and, ``with_vectors``, each query's hits'
+        exact vectors)."""
         n = len(queries)
         pool = shard_pool()
         wanted = {s: sorted({int(x) for x in lists[held[s]]}) for s in loaded}
@@ -621,15 +690,19 @@ class IndexReader:
         depth = max(k, k * rerank)
         found_d, found_i, found_s = self._scan(queries, lists, held, loaded, resident, masks, depth)
         out: list[list[Hit]] = []
+        vectors: list[np.ndarray] = []
         for q, scored in enumerate(_merge(n, found_d, found_i, found_s, depth)):
             if rerank <= 1:
                 out.append([Hit(*c) for c in scored[:k]])
+                if with_vectors:
+                    vectors.append(self.vectors(out[-1]))
                 continue
             picked = [(s, i) for s, i, _ in scored]
-            exact = self._exact(queries[q], picked, loaded, resident, moved)
+            exact, stored = self._exact(queries[q], picked, loaded, resident, moved)
             order = np.argsort(exact, kind="stable")[:k]
             out.append([Hit(picked[j][0], picked[j][1], float(exact[j])) for j in order])
-        return out
+            vectors.append(stored[order])
+        return out, vectors if with_vectors else None
 
     def _scan(
         self,
@@ -684,13 +757,13 @@ class IndexReader:
         loaded: dict[int, LoadedShard],
         resident: dict[int, dict[int, ListData]],
         moved: Fetched | None,
-    ) -> np.ndarray:
-        """Squared L2 distances from the query to the candidates' stored float vectors."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Squared L2 distances from the query to the candidates' stored float vectors, and those vectors."""
         by_shard: dict[int, list[int]] = {}
         for at, (s, _) in enumerate(picked):
             by_shard.setdefault(s, []).append(at)
 
-        out = np.empty(len(picked), np.float32)
+        stored = np.empty((len(picked), len(query)), np.float32)
         remote: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for s, ats in by_shard.items():  # vectors a disk tier holds: read here, at once
             lists = loaded[s].lists
@@ -701,7 +774,7 @@ class IndexReader:
             if vectors is None:
                 remote[s] = rows, digests
             else:
-                out[ats] = np.square(vectors - query[None, :]).sum(axis=1)
+                stored[ats] = vectors
 
         def fetch(s: int) -> np.ndarray:
             lists = loaded[s].lists
@@ -711,8 +784,8 @@ class IndexReader:
         # the others, from the store: side by side
         fetched = list(shard_pool().map(fetch, remote)) if len(remote) > 1 else [fetch(s) for s in remote]
         for s, vectors in zip(remote, fetched, strict=True):
-            out[by_shard[s]] = np.square(vectors - query[None, :]).sum(axis=1)
-        return out
+            stored[by_shard[s]] = vectors
+        return np.square(stored - query[None, :]).sum(axis=1), stored
 
     def rows(self, hits: list[Hit], columns: list[str] | None = None) -> list[dict[str, Any]]:
         """The id-map rows (chunk version and lineage) of hits, in order, with their score."""
@@ -756,7 +829,14 @@ class IndexReader:
             return np.zeros((0, self.manifest.dim), np.float32)
         if self.manifest.codec != "flat":
             return self._exact_vectors(hits)
-        return np.stack([stored_vector(self.shard(h.shard), h.faiss_id) for h in hits])
+        out = np.empty((len(hits), self.manifest.dim), np.float32)
+        by_shard: dict[int, list[int]] = {}
+        for at, hit in enumerate(hits):
+            by_shard.setdefault(hit.shard, []).append(at)
+        for s, shard in self.shards(by_shard).items():
+            ats = by_shard[s]
+            out[ats] = flat_vectors(shard, np.array([hits[at].faiss_id for at in ats], np.int64))
+        return out
 
     def _exact_vectors(self, hits: list[Hit]) -> np.ndarray:
         loaded = self.shards({h.shard for h in hits})

@@ -84,8 +84,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--feedback-docs",
         type=int,
-        help="hybrid: pseudo-relevance feedback: the dense ranking searches with the query vector moved towards "
-        "the mean vector of its N nearest chunks that the caller may see; 0: off (1)",
+        help="hybrid: pseudo-relevance feedback: the dense candidates are ranked by the query vector moved towards "
+        "the mean vector of the N nearest of them (chunks the caller may see); 0: off (1)",
     )
     p.add_argument("--feedback-weight", type=float, help="hybrid: the feedback chunks' weight, the query's 1 (0.6)")
 

@@ -73,8 +73,9 @@ class EngineOptions:
     rrf_k: int = 10
     dense_weight: float = 1.0
     #: hybrid: pseudo-relevance feedback (Rocchio): the query vector plus ``feedback_weight`` ×
-    #: the mean vector of its ``feedback_docs`` nearest chunks the caller may see, unit length,
-    #: ranks the dense candidates (0: off). Chosen by benchmarks/quality.py (feedback_choice)
+    #: the mean vector of the ``feedback_docs`` nearest dense candidates (chunks the caller may
+    #: see), unit length, ranks those candidates again (0: off). Chosen by benchmarks/quality.py
+    #: (feedback_choice)
     feedback_docs: int = 1
     feedback_weight: float = 0.6
     #: the keyword ranking's weight for a plain sentence

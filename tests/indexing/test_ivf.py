@@ -105,6 +105,29 @@ def test_hits_give_back_the_vectors_that_were_indexed(built) -> None:
     expected = x[[int(r["chunk_id"][1:]) for r in rows]]
     np.testing.assert_array_equal(reader.vectors(flat), expected)
     assert reader.vectors([]).shape == (0, x.shape[1])
+    # with the hits, as hybrid's feedback asks: the same hits, and each hit's vector
+    again, vectors = reader.search_with_vectors(x[[5, 900, 2500]], 10, nprobe=8)
+    assert again == hits
+    np.testing.assert_array_equal(np.concatenate(vectors), expected)
+
+
+def test_a_shard_without_a_direct_map_gives_back_the_same_vectors(built) -> None:
+    # a shard whose faiss ids are not 0..n-1 gets no direct map: its entries are looked up one by one
+    import indexing.reader as reader_mod
+
+    reader, x, _ = built
+    hits = reader.search(x[[7, 1500]], 10, nprobe=8)
+    flat = [h for per_query in hits for h in per_query]
+    fresh = {h.shard: reader.shard(h.shard) for h in flat}
+    for shard in fresh.values():
+        shard.derived[reader_mod._DIRECT_MAP] = False
+    try:
+        by_one = reader.vectors(flat)
+    finally:
+        for shard in fresh.values():
+            del shard.derived[reader_mod._DIRECT_MAP]
+    np.testing.assert_array_equal(by_one, reader.vectors(flat))
+    np.testing.assert_array_equal(by_one, x[[int(r["chunk_id"][1:]) for r in reader.rows(flat, ["chunk_id"])]])
 
 
 def test_a_filter_is_applied_inside_the_scan(built) -> None:

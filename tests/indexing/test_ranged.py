@@ -94,6 +94,14 @@ def test_recall_with_exact_rerank_matches_the_float_index(indexes) -> None:  # t
     assert exact_d == sorted(exact_d)  # re-ranked distances are exact float distances, in order
     v = reader.vectors(hits[0][:3])
     assert np.allclose(np.square(v - queries[0]).sum(axis=1), exact_d[:3], atol=1e-4)
+    # the re-ranking's own vectors come back with the hits, and nothing is read twice for them
+    counted = CountingStore(str(sq8))
+    again, vectors = IndexReader(counted).search_with_vectors(queries[:5], 10, nprobe=8)
+    alone = CountingStore(str(sq8))
+    assert IndexReader(alone).search(queries[:5], 10, nprobe=8) == again == hits
+    assert sorted(counted.ranged) == sorted(alone.ranged) and sorted(counted.whole) == sorted(alone.whole)
+    for q, (found, stored) in enumerate(zip(again, vectors, strict=True)):
+        assert np.allclose(np.square(stored - queries[q]).sum(axis=1), [h.distance for h in found], atol=1e-4)
 
 
 def test_product_quantized_lists_hold_m_bytes_a_vector_and_rerank_to_the_float_recall(  # type: ignore[no-untyped-def]
