@@ -204,7 +204,7 @@ IDENTIFIER = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 CODE = (0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 #: hybrid's pseudo-relevance feedback (retrieval.views.EngineOptions.feedback_docs, feedback_weight):
 #: (chunks, weight), (0, 0) = none
-FEEDBACK = ((0, 0.0), (1, 0.3), (1, 0.6), (1, 1.0), (2, 0.6), (3, 0.6))
+FEEDBACK = ((0, 0.0), (1, 0.3), (1, 0.6), (1, 1.0), (1, 1.5), (2, 0.6), (2, 1.0), (3, 0.6))
 #: context weights measured beside the ingest job's default (``--context-weight``; 0: none)
 CONTEXT = (0.0, 0.5, 1.5)
 

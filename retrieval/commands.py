@@ -87,7 +87,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="hybrid: pseudo-relevance feedback: the dense candidates are ranked by the query vector moved towards "
         "the mean vector of the N nearest of them (chunks the caller may see); 0: off (1)",
     )
-    p.add_argument("--feedback-weight", type=float, help="hybrid: the feedback chunks' weight, the query's 1 (0.6)")
+    p.add_argument("--feedback-weight", type=float, help="hybrid: the feedback chunks' weight, the query's 1 (1.0)")
 
 
 def _env_help(command: str) -> str:

@@ -54,7 +54,7 @@ class EngineSettings(BaseSettings):
     feedback_docs: int = Field(
         1, ge=0, le=100, description="hybrid: chunks whose mean vector moves the query (relevance feedback; 0: off)"
     )
-    feedback_weight: float = Field(0.6, ge=0, description="hybrid: the feedback chunks' weight beside the query's 1")
+    feedback_weight: float = Field(1.0, ge=0, description="hybrid: the feedback chunks' weight beside the query's 1")
     keyword_memory_mb: int = Field(
         256, ge=0, description="keyword working copies kept in memory (/dev/shm) while they fit; 0: on disk"
     )

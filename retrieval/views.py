@@ -77,7 +77,7 @@ class EngineOptions:
     #: see), unit length, ranks those candidates again (0: off). Chosen by benchmarks/quality.py
     #: (feedback_choice)
     feedback_docs: int = 1
-    feedback_weight: float = 0.6
+    feedback_weight: float = 1.0
     #: the keyword ranking's weight for a plain sentence
     keyword_weight: float = FUSION_WEIGHTS["linear"]["keyword_weight"]
     #: the keyword ranking's weight for a query that is an identifier, not a sentence (``os.replace``,

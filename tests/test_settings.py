@@ -53,7 +53,7 @@ def test_a_wrong_or_missing_option_names_its_flag(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(SettingsError, match="--feedback-docs: Input should be greater than or equal to 0"):
         from_args(SearchSettings, parse("search", "q", "--lake", "l", "--index", "i", "--feedback-docs", "-1"))
     off = from_args(SearchSettings, parse("search", "q", "--lake", "l", "--index", "i", "--feedback-docs", "0"))
-    assert (off.feedback_docs, off.feedback_weight) == (0, 0.6)
+    assert (off.feedback_docs, off.feedback_weight) == (0, 1.0)
     with pytest.raises(SettingsError, match="--gc-grace"):
         from_args(IndexBuildSettings, parse("index", "build", "--lake", "l", "--index", "i", "--gc-grace", "-1"))
     monkeypatch.setenv("STREAMRAG_SERVE_MAX_TOKENS", "0")

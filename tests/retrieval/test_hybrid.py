@@ -257,7 +257,7 @@ def test_linear_fusion_adds_normalised_scores_and_shows_only_places() -> None:
 
 
 def test_feedback_moves_the_query_towards_the_best_chunks_the_caller_may_see(setup) -> None:  # type: ignore[no-untyped-def]
-    # hybrid's dense ranking searches with the query plus 0.6 x the mean vector of its nearest
+    # hybrid's dense candidates are ranked by the query plus 1.0 x the mean vector of the nearest
     # chunks (Rocchio): chunks the caller may see, never a hidden one
     engine, lake, _ = setup
     embed = lake.embedder.embed
@@ -270,7 +270,7 @@ def test_feedback_moves_the_query_towards_the_best_chunks_the_caller_may_see(set
 
     def check(principal: Principal, feedback: list[Doc]) -> dict[str, float]:
         """Each result's dense score is the one the query moved towards ``feedback`` gives it."""
-        moved = q + 0.6 * embed([d.text for d in feedback]).mean(axis=0) if feedback else q
+        moved = q + engine.options.feedback_weight * embed([d.text for d in feedback]).mean(axis=0) if feedback else q
         moved /= np.linalg.norm(moved)
         found = engine.search(query, k=10, principal=principal, mode="hybrid")
         shown = {r["chunk_id"]: r["retrievers"]["dense"]["score"] for r in found.results if "dense" in r["retrievers"]}
@@ -279,7 +279,7 @@ def test_feedback_moves_the_query_towards_the_best_chunks_the_caller_may_see(set
         assert shown == pytest.approx({c: float(embed([texts[c]])[0] @ moved) for c in shown}, abs=1e-4)
         return shown
 
-    assert (engine.options.feedback_docs, engine.options.feedback_weight) == (1, 0.6)  # the defaults
+    assert (engine.options.feedback_docs, engine.options.feedback_weight) == (1, 1.0)  # the defaults
     for docs in (1, 2, 0):
         engine.options = dataclasses.replace(engine.options, feedback_docs=docs)
         assert hidden.chunk_id not in check(ANONYMOUS, [best, next_best][:docs])
