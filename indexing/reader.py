@@ -64,7 +64,8 @@ class LoadedShard:
     #: filter columns and row blocks; a replica adding an incremental version's delta shards
     #: to its keyword copy does)
     load_ids: Callable[[], pa.Table] | None = None
-    _ids_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: held while what is made once on first use is made: the whole id map, the direct map
+    _once: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def ids(self) -> pa.Table:
@@ -72,7 +73,7 @@ class LoadedShard:
         columns and their results' row blocks; this fetches all of it, once."""
         if self.id_map is None:
             assert self.load_ids is not None
-            with self._ids_lock:
+            with self._once:
                 if self.id_map is None:
                     self.id_map = self.load_ids()
         return self.id_map
@@ -89,7 +90,8 @@ class LoadedShard:
         ids = int(self.id_map.nbytes) if self.id_map is not None and self.load_ids is None else 0
         if self.lists is not None:
             return self.lists.table.nbytes + ids
-        # 8 bytes an entry: the direct map ``flat_vectors`` makes on a hybrid query's first use
+        # 8 bytes an entry: the direct map ``flat_vectors`` makes when stored vectors are first
+        # asked for (hybrid's feedback, an answer's sources)
         return int(self.index.ntotal) * (int(self.index.code_size) + 8) + ids
 
 
@@ -99,7 +101,7 @@ def flat_vectors(shard: LoadedShard, faiss_ids: np.ndarray) -> np.ndarray:
     ids are not 0..n-1 has none: its entries are found one by one (``stored_vector``)."""
     direct = shard.derived.get(_DIRECT_MAP)
     if direct is None:
-        with shard._ids_lock:
+        with shard._once:
             direct = shard.derived.get(_DIRECT_MAP)
             if direct is None:
                 try:
