@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import tantivy
 
@@ -230,9 +231,17 @@ def document(
 
 
 @dataclass(frozen=True)
-class Match:
-    key: int
-    score: float
+class Matches:
+    """Matching documents best first: their ``keys`` (uint64) and BM25 ``scores``."""
+
+    keys: np.ndarray
+    scores: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+NO_MATCHES = Matches(np.zeros(0, np.uint64), np.zeros(0))
 
 
 class KeywordIndex:
@@ -293,11 +302,11 @@ class KeywordIndex:
         groups: frozenset[str],
         limit: int,
         names: Sequence[str] = (),
-    ) -> list[Match]:
+    ) -> Matches:
         """The best ``limit`` documents a caller in ``groups`` may see (by their ACL terms) for any
         of the terms or defined ``names`` (``query_names``)."""
         if limit <= 0:
-            return []
+            return NO_MATCHES
         searcher, all_public = self._state
         clauses = [
             (tantivy.Occur.Should, _boosted(tantivy.Query.term_query(SCHEMA, field, term, index_option="freq"), w))
@@ -311,7 +320,7 @@ class KeywordIndex:
                 term = tantivy.Query.term_query(SCHEMA, "names", name, index_option="basic")
                 clauses.append((tantivy.Occur.Should, tantivy.Query.const_score_query(term, NAMES_WEIGHT * idf)))
         if not clauses:
-            return []
+            return NO_MATCHES
         if all_public:
             query = tantivy.Query.boolean_query(clauses)
         else:
@@ -322,8 +331,11 @@ class KeywordIndex:
             ]
             query = tantivy.Query.boolean_query(parts)
         hits = searcher.search(query, limit, count=False).hits
-        keys = searcher.fast_field_values("key", [address for _, address in hits])
-        return [Match(int(key or 0), float(score)) for (score, _), key in zip(hits, keys, strict=True)]
+        if not hits:
+            return NO_MATCHES
+        scores, addresses = zip(*hits, strict=True)
+        keys = searcher.fast_field_values("key", list(addresses))
+        return Matches(np.array([key or 0 for key in keys], np.uint64), np.array(scores, np.float64))
 
     def keys_of(self, chunk_ids: Sequence[str]) -> list[int]:
         """The keys of the index rows of these chunks (tail rows carry no chunk id)."""

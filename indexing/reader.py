@@ -292,6 +292,23 @@ class Hit:
         return 1.0 - self.distance / 2.0
 
 
+@dataclass(frozen=True)
+class Found:
+    """One query's hits as arrays, best first: shard numbers, faiss ids and squared L2
+    distances (no ``Hit`` object each: hybrid search fuses 100 of them per query)."""
+
+    shards: np.ndarray
+    ids: np.ndarray
+    distances: np.ndarray
+
+    def hits(self) -> list[Hit]:
+        found = zip(self.shards.tolist(), self.ids.tolist(), self.distances.tolist(), strict=True)
+        return [Hit(s, i, d) for s, i, d in found]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 #: (shard number, shard) → bool mask over the shard's faiss ids, or None for "all allowed"
 Allow = Callable[[int, LoadedShard], "np.ndarray | None"]
 
@@ -532,9 +549,9 @@ class IndexReader:
         then the best k of them by their exact float vectors (fetched by range); ``moved``
         counts the requests and bytes its fetches took.
         """
-        return self._search(queries, k, nprobe, allow, rerank, moved, False)[0]
+        return [found.hits() for found in self._search(queries, k, nprobe, allow, rerank, moved, False)[0]]
 
-    def search_with_vectors(
+    def search_arrays(
         self,
         queries: np.ndarray,
         k: int,
@@ -542,12 +559,11 @@ class IndexReader:
         allow: Allow | None = None,
         rerank: int | None = None,
         moved: Fetched | None = None,
-    ) -> tuple[list[list[Hit]], list[np.ndarray]]:
-        """``search``, and each query's hits' stored vectors (a compressed index's are those its
-        exact re-ranking read: no second read)."""
-        hits, vectors = self._search(queries, k, nprobe, allow, rerank, moved, True)
-        assert vectors is not None
-        return hits, vectors
+        with_vectors: bool = False,
+    ) -> tuple[list[Found], list[np.ndarray] | None]:
+        """``search``'s hits as arrays, and (``with_vectors``) each query's hits' stored vectors
+        (a compressed index's are those its exact re-ranking read: no second read)."""
+        return self._search(queries, k, nprobe, allow, rerank, moved, with_vectors)
 
     def _search(
         self,
@@ -558,7 +574,7 @@ class IndexReader:
         rerank: int | None,
         moved: Fetched | None,
         with_vectors: bool,
-    ) -> tuple[list[list[Hit]], list[np.ndarray] | None]:
+    ) -> tuple[list[Found], list[np.ndarray] | None]:
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         coarse_d, lists = self.probe(queries, nprobe)
         held = self.holding(lists)
@@ -567,7 +583,7 @@ class IndexReader:
             rerank = rerank or default_rerank(self.manifest.codec)
             return self._search_ranged(queries, lists, held, loaded, k, allow, rerank, moved, with_vectors)
         found = self._search_flat(queries, lists, coarse_d, held, loaded, k, allow)
-        return found, [self.vectors(hits) for hits in found] if with_vectors else None
+        return found, [self.found_vectors(one) for one in found] if with_vectors else None
 
     def _search_flat(
         self,
@@ -578,7 +594,7 @@ class IndexReader:
         loaded: dict[int, LoadedShard],
         k: int,
         allow: Allow | None,
-    ) -> list[list[Hit]]:
+    ) -> list[Found]:
         n = len(queries)
         masks = {s: self.row_mask(s, shard, allow) for s, shard in loaded.items()}
         found_d, found_i, found_s = [], [], []
@@ -595,8 +611,7 @@ class IndexReader:
             found_s.append(shards)
             loaded = {s: shard for s, shard in loaded.items() if masks[s] is not None}
             if not loaded:  # faiss's results come sorted: nothing to merge
-                return [[Hit(int(sh), int(i), float(d)) for sh, i, d in zip(shards[q], ids[q], dist[q], strict=True)
-                         if i >= 0] for q in range(n)]  # fmt: skip
+                return _merge(n, found_d, found_i, found_s, k)
         for s, shard in loaded.items():
             params = faiss.SearchParametersIVF()
             mask = masks[s]
@@ -610,7 +625,7 @@ class IndexReader:
             found_d.append(dist)
             found_i.append(ids)
             found_s.append(np.full_like(ids, s))
-        return [[Hit(*c) for c in row] for row in _merge(n, found_d, found_i, found_s, k)]
+        return _merge(n, found_d, found_i, found_s, k)
 
     def _combined_for(self, loaded: dict[int, LoadedShard]) -> CombinedLists | None:
         """Every shard's lists as one index, if every shard is in memory (built then, at
@@ -659,7 +674,7 @@ class IndexReader:
         rerank: int,
         moved: Fetched | None,
         with_vectors: bool = False,
-    ) -> tuple[list[list[Hit]], list[np.ndarray] | None]:
+    ) -> tuple[list[Found], list[np.ndarray] | None]:
         """Probed lists fetched by range (every shard's at once), scanned by their codes,
         the best ``rerank`` × k re-ranked exactly (and, ``with_vectors``, each query's hits'
         exact vectors)."""
@@ -691,18 +706,18 @@ class IndexReader:
         masks = {s: prepared[s][1] for s in loaded}
         depth = max(k, k * rerank)
         found_d, found_i, found_s = self._scan(queries, lists, held, loaded, resident, masks, depth)
-        out: list[list[Hit]] = []
+        out: list[Found] = []
         vectors: list[np.ndarray] = []
         for q, scored in enumerate(_merge(n, found_d, found_i, found_s, depth)):
             if rerank <= 1:
-                out.append([Hit(*c) for c in scored[:k]])
+                out.append(Found(scored.shards[:k], scored.ids[:k], scored.distances[:k]))
                 if with_vectors:
-                    vectors.append(self.vectors(out[-1]))
+                    vectors.append(self.found_vectors(out[-1]))
                 continue
-            picked = [(s, i) for s, i, _ in scored]
+            picked = list(zip(scored.shards.tolist(), scored.ids.tolist(), strict=True))
             exact, stored = self._exact(queries[q], picked, loaded, resident, moved)
             order = np.argsort(exact, kind="stable")[:k]
-            out.append([Hit(picked[j][0], picked[j][1], float(exact[j])) for j in order])
+            out.append(Found(scored.shards[order], scored.ids[order], exact[order]))
             vectors.append(stored[order])
         return out, vectors if with_vectors else None
 
@@ -831,13 +846,20 @@ class IndexReader:
             return np.zeros((0, self.manifest.dim), np.float32)
         if self.manifest.codec != "flat":
             return self._exact_vectors(hits)
-        out = np.empty((len(hits), self.manifest.dim), np.float32)
-        by_shard: dict[int, list[int]] = {}
-        for at, hit in enumerate(hits):
-            by_shard.setdefault(hit.shard, []).append(at)
-        for s, shard in self.shards(by_shard).items():
-            ats = by_shard[s]
-            out[ats] = flat_vectors(shard, np.array([hits[at].faiss_id for at in ats], np.int64))
+        shards = np.array([h.shard for h in hits], np.int64)
+        return self.found_vectors(Found(shards, np.array([h.faiss_id for h in hits], np.int64), np.zeros(len(hits))))
+
+    def found_vectors(self, found: Found) -> np.ndarray:
+        """The stored vectors of a float index's hits (``Found``), in order."""
+        if not len(found):
+            return np.zeros((0, self.manifest.dim), np.float32)
+        if self.manifest.codec != "flat":
+            return self.vectors(found.hits())
+        out = np.empty((len(found), self.manifest.dim), np.float32)
+        numbers = np.unique(found.shards)
+        for s, shard in self.shards(numbers.tolist()).items():
+            ats = np.flatnonzero(found.shards == s) if len(numbers) > 1 else slice(None)
+            out[ats] = flat_vectors(shard, np.ascontiguousarray(found.ids[ats], dtype=np.int64))
         return out
 
     def _exact_vectors(self, hits: list[Hit]) -> np.ndarray:
@@ -858,10 +880,11 @@ _ROW_BITS = 40
 
 def _merge(
     n: int, found_d: list[np.ndarray], found_i: list[np.ndarray], found_s: list[np.ndarray], k: int
-) -> list[list[tuple[int, int, float]]]:
-    """Each query's best k (shard, id, distance) over every shard's results (-1 ids are pads)."""
+) -> list[Found]:
+    """Each query's best k over every shard's results (-1 ids are pads)."""
     if not found_d:
-        return [[] for _ in range(n)]
+        none = np.zeros(0, np.int64)
+        return [Found(none, none, np.zeros(0, np.float32)) for _ in range(n)]
     if len(found_d) == 1:  # one scan's results: sorted already
         dist, ids, shards = found_d[0][:, :k], found_i[0][:, :k], found_s[0][:, :k]
     else:
@@ -870,8 +893,8 @@ def _merge(
         best = np.argsort(dist, axis=1, kind="stable")[:, :k]
         dist, ids = np.take_along_axis(dist, best, 1), np.take_along_axis(ids, best, 1)
         shards = np.take_along_axis(np.concatenate(found_s, axis=1), best, 1)
-    return [[(s, i, d) for s, i, d in zip(s_row, i_row, d_row, strict=True) if i >= 0]
-            for s_row, i_row, d_row in zip(shards.tolist(), ids.tolist(), dist.tolist(), strict=True)]  # fmt: skip
+    real = ids >= 0
+    return [Found(shards[q][real[q]].astype(np.int64), ids[q][real[q]], dist[q][real[q]]) for q in range(n)]
 
 
 def take_rows(table: pa.Table, indices: list[int], columns: list[str] | None = None) -> list[dict[str, Any]]:

@@ -12,7 +12,6 @@ version and tail a query searches is the business of ``retrieval.views``.
 
 from __future__ import annotations
 
-import heapq
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -28,9 +27,10 @@ from retrieval import metrics
 from retrieval.acl import ANONYMOUS, Principal
 from retrieval.errors import SearchError
 from retrieval.filters import MetadataFilter
-from retrieval.keyword import Candidate, keyword_search
+from retrieval.keyword import keyword_search
 from retrieval.masks import shard_filter
 from retrieval.query_embedding import QueryEmbedder
+from retrieval.ranking import Ranking, index_keys, reference, tail_keys
 from retrieval.results import RESULT_COLUMNS, SearchResult, result_record
 from retrieval.tail import TailState
 from retrieval.views import MODES, EngineOptions, View, Views
@@ -135,10 +135,10 @@ class SearchEngine(Views):
         if where is not None and tail.n:
             tail_allowed = tail_allowed & where.mask(tail.table.column("metadata"), tail.n)
         depth = k if mode != "hybrid" else max(k, self.options.fusion_depth)
-        lists: dict[str, list[Candidate]] = {}
+        lists: dict[str, Ranking] = {}
         nprobe = 0
 
-        def by_keyword() -> list[Candidate]:
+        def by_keyword() -> Ranking:
             assert query is not None
             t = time.perf_counter()
             found = keyword_search(
@@ -188,7 +188,7 @@ class SearchEngine(Views):
         allow: Allow,
         tail_allowed: np.ndarray,
         with_vectors: bool = False,
-    ) -> tuple[list[Candidate], int, np.ndarray | None]:
+    ) -> tuple[Ranking, int, np.ndarray | None]:
         """The ``depth`` nearest visible chunks (cosine similarity, best first), the lists
         probed, and (``with_vectors``) the chunks' stored vectors: more lists while the probed
         ones hold fewer than ``need`` (hybrid fusion takes ``depth`` candidates when they are
@@ -196,43 +196,41 @@ class SearchEngine(Views):
         nlist = reader.manifest.nlist
         nprobe = min(self.options.nprobe or default_nprobe(nlist), nlist)
         query = np.ascontiguousarray(vector[None, :], dtype=np.float32)
-        stored: list[np.ndarray] = []
         while True:
-            if with_vectors:
-                found, stored = reader.search_with_vectors(query, depth, nprobe, allow, rerank=self.options.rerank)
-                hits = found[0]
-            else:
-                hits = reader.search(query, depth, nprobe, allow, rerank=self.options.rerank)[0]
-            if len(hits) >= need or nprobe >= nlist:
+            found, stored = reader.search_arrays(query, depth, nprobe, allow, self.options.rerank, None, with_vectors)
+            if len(found[0]) >= need or nprobe >= nlist:
                 break
             nprobe = min(nlist, nprobe * 4)
             metrics.NPROBE_WIDENED.inc()
         rows = tail.search(vector, depth, tail_allowed)
-        merged: list[tuple[float, str, Hit | int]] = [(h.distance, "index", h) for h in hits]
-        merged += [(d, "tail", i) for i, d in rows]
-        order = sorted(range(len(merged)), key=lambda at: merged[at][0])[:depth]
-        best = [(1.0 - merged[at][0] / 2.0, merged[at][1], merged[at][2]) for at in order]
+        tail_rows = np.array([i for i, _ in rows], np.int64)
+        distances = np.concatenate([found[0].distances.astype(np.float64), np.array([d for _, d in rows], np.float64)])
+        keys = np.concatenate([index_keys(found[0].shards, found[0].ids), tail_keys(tail_rows)])
+        order = np.argsort(distances, kind="stable")[:depth]
+        best = Ranking(1.0 - distances[order] / 2.0, keys[order])
         if not with_vectors:
             return best, nprobe, None
-        tail_vectors = tail.vectors[[i for i, _ in rows]] if rows else np.zeros((0, len(vector)), np.float32)
+        assert stored is not None
+        tail_vectors = tail.vectors[tail_rows] if rows else np.zeros((0, len(vector)), np.float32)
         return best, nprobe, np.concatenate([stored[0], tail_vectors])[order]
 
-    def _feedback(self, vector: np.ndarray, found: list[Candidate], stored: np.ndarray) -> list[Candidate]:
+    def _feedback(self, vector: np.ndarray, found: Ranking, stored: np.ndarray) -> Ranking:
         """Rocchio's pseudo-relevance feedback: the dense candidates ``found`` (with their
         ``stored`` vectors) ranked again by the query moved towards the mean vector of the best
         ``feedback_docs`` of them, unit length again. They are chunks the caller may see, so the
         new ranking depends on nothing hidden from them. Searching again with the moved query
         ranked no better on the Python docs' quality sets (FAQ nDCG@10 0.668 against 0.671 for
         these candidates re-ranked, both at weight 0.6) and cost a second search."""
-        if not found:
+        if not len(found):
             return found
         mean = stored[: self.options.feedback_docs].mean(axis=0)
         moved = np.asarray(vector, np.float32) + self.options.feedback_weight * mean
         norm = float(np.linalg.norm(moved))
         if norm == 0:
             return found
-        scores = stored @ (moved / norm)
-        return [(float(scores[at]), *found[at][1:]) for at in np.argsort(-scores, kind="stable").tolist()]
+        scores = (stored @ (moved / norm)).astype(np.float64)
+        order = np.argsort(-scores, kind="stable")
+        return Ranking(scores[order], found.keys[order])
 
     def _keyword_weight(self, query: str) -> float:
         """The keyword ranking's weight for this query: an identifier's, a sentence's that holds
@@ -241,39 +239,42 @@ class SearchEngine(Views):
             return self.options.identifier_weight
         return self.options.code_weight if mentions_code(query) else self.options.keyword_weight
 
-    def _fuse(self, lists: dict[str, list[Candidate]], k: int, keyword_weight: float) -> list[Picked]:
+    def _fuse(self, lists: dict[str, Ranking], k: int, keyword_weight: float) -> list[Picked]:
         """Weighted fusion: linear (the sum of weight × the score min-max normalised over that
         retriever's candidates) or reciprocal rank (the sum over retrievers of weight / (rrf_k +
         rank)), the keyword ranking at ``keyword_weight`` (``_keyword_weight``). Ties go to the
-        better dense rank. Each query pays for it in pure Python: kept to one pass per ranking."""
+        better dense rank, then to the first ranking that found them. In arrays: only the
+        ``k`` results become Python objects."""
         weights = {"dense": self.options.dense_weight, "keyword": keyword_weight}
         linear = self.options.fusion == "linear"
-        rrf_k = self.options.rrf_k
-        total: dict[Any, float] = {}
-        places: dict[str, dict[Any, int]] = {}  # retriever → key → index in its ranking
-        refs: dict[Any, tuple[str, Hit | int]] = {}
-        for name, found in lists.items():
-            weight = weights[name]
-            at = places[name] = {}
-            if linear and found:
-                low, high = min(c[0] for c in found), max(c[0] for c in found)
-                scale = weight / (high - low) if high > low else 0.0
-            for i, (score, origin, ref) in enumerate(found):
-                key = (ref.shard, ref.faiss_id) if isinstance(ref, Hit) else ref  # a tail row: its int
-                if linear:
-                    share = (score - low) * scale if scale else weight
-                else:
-                    share = weight / (rrf_k + i + 1)
-                total[key] = total.get(key, 0.0) + share
-                at[key] = i
-                refs.setdefault(key, (origin, ref))
-        dense = places.get("dense", {})
-        best = heapq.nsmallest(k, total, key=lambda key: (-total[key], dense.get(key, 1 << 30)))
+        names = list(lists)
+        shares = []
+        for name in names:
+            found, weight = lists[name], weights[name]
+            if not linear:
+                shares.append(weight / (self.options.rrf_k + np.arange(1, len(found) + 1)))
+            elif len(found) and found.scores.max() > found.scores.min():
+                low, high = found.scores.min(), found.scores.max()
+                shares.append((found.scores - low) * (weight / (high - low)))
+            else:  # one score: the full weight
+                shares.append(np.full(len(found), weight))
+        keys, first, inverse = np.unique(np.concatenate([lists[n].keys for n in names]), return_index=True,
+                                         return_inverse=True)  # fmt: skip
+        total = np.bincount(inverse, weights=np.concatenate(shares), minlength=len(keys))
+        places = {}  # retriever → each key's index in its ranking (-1: not in it)
+        start = 0
+        for name in names:
+            at = places[name] = np.full(len(keys), -1)
+            at[inverse[start : start + len(lists[name])]] = np.arange(len(lists[name]))
+            start += len(lists[name])
+        dense = places["dense"] if "dense" in places else np.full(len(keys), -1)
+        best = np.lexsort((first, np.where(dense >= 0, dense, 1 << 30), -total))[:k]
         # a linear total carries BM25's scores, which weigh words by documents the caller may not
         # see: such a result shows its place (1 / rank), as keyword search does
-        return [(1.0 / rank if linear else total[key], *refs[key],
-                 {name: _shown(name, at[key] + 1, lists[name][at[key]][0]) for name, at in places.items() if key in at})
-                for rank, key in enumerate(best, 1)]  # fmt: skip
+        return [(1.0 / rank if linear else float(total[u]), *reference(int(keys[u])),
+                 {name: _shown(name, int(at[u]) + 1, float(lists[name].scores[at[u]]))
+                  for name, at in places.items() if at[u] >= 0})
+                for rank, u in enumerate(best.tolist(), 1)]  # fmt: skip
 
     def _materialize(
         self, view: View, picked: list[Picked], with_vectors: bool
@@ -307,9 +308,10 @@ class SearchEngine(Views):
 Picked = tuple[float, str, "Hit | int", dict[str, dict[str, float]]]
 
 
-def _ranked(found: list[Candidate], name: str, k: int) -> list[Picked]:
-    return [(score if name == "dense" else 1.0 / rank, origin, ref, {name: _shown(name, rank, score)})
-            for rank, (score, origin, ref) in enumerate(found[:k], 1)]  # fmt: skip
+def _ranked(found: Ranking, name: str, k: int) -> list[Picked]:
+    scores, keys = found.scores[:k].tolist(), found.keys[:k].tolist()
+    return [(score if name == "dense" else 1.0 / rank, *reference(key), {name: _shown(name, rank, score)})
+            for rank, (score, key) in enumerate(zip(scores, keys, strict=True), 1)]  # fmt: skip
 
 
 def _shown(name: str, rank: int, score: float) -> dict[str, float]:

@@ -31,7 +31,6 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +38,7 @@ import numpy as np
 from indexing.keyword import (
     TAIL,
     KeywordIndex,
-    Match,
+    Matches,
     document,
     fetch_pristine,
     query_names,
@@ -47,7 +46,8 @@ from indexing.keyword import (
     terms,
     working_copy,
 )
-from indexing.reader import Allow, Hit, IndexReader, LoadedShard
+from indexing.reader import Allow, IndexReader, LoadedShard
+from retrieval.ranking import SHARD_SHIFT, Ranking, empty, tail_keys
 from retrieval.tail import TailLog, TailState
 
 log = logging.getLogger(__name__)
@@ -274,10 +274,6 @@ class KeywordCopies:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-#: a retriever's candidate: (score, higher is better: cosine or BM25; "index" | "tail"; a shard Hit or a tail row)
-Candidate = tuple[float, str, Hit | int]
-
-
 def keyword_search(
     copies: KeywordCopies,
     reader: IndexReader,
@@ -287,30 +283,30 @@ def keyword_search(
     groups: frozenset[str],
     allow: Allow | None,
     tail_allowed: np.ndarray,
-) -> list[Candidate]:
+) -> Ranking:
     """The ``depth`` best keyword matches the caller may see, best first (``allow``: the dense
     path's shard masks when a metadata filter needs them, else None)."""
     wanted, names = terms(query), query_names(query)
     if not wanted and not names:
-        return []
+        return empty()
     copy = copies.copy_for(reader, tail)
     limit = depth + SLACK
     while True:
         matches = copy.index.search(wanted, groups, limit, names)
-        found = list(_visible(reader, tail, copy, matches, allow, tail_allowed))
+        found = _visible(reader, tail, copy, matches, allow, tail_allowed)
         if len(found) >= depth or len(matches) < limit:
-            return found[:depth]
+            return found.head(depth)
         limit *= 4
 
 
-def _filtered(reader: IndexReader, s: int, shard: LoadedShard, allow: Allow, matches: list[Match]) -> np.ndarray | None:
-    """Shard ``s``'s mask for a metadata filter. Of a row-block shard, only the matched rows
-    are decided, from their row blocks (fetched by range: not the whole id map); the keyword
-    search itself applied the ACL, and ``copy.current`` the superseded rows."""
+def _filtered(reader: IndexReader, s: int, shard: LoadedShard, allow: Allow, rows: np.ndarray) -> np.ndarray | None:
+    """Shard ``s``'s mask for a metadata filter. Of a row-block shard, only the matched
+    ``rows`` are decided, from their row blocks (fetched by range: not the whole id map); the
+    keyword search itself applied the ACL, and ``copy.current`` the superseded rows."""
     matching_rows = getattr(allow, "matching_rows", None)
     if matching_rows is None or not shard.row_blocks:
         return reader.row_mask(s, shard, allow)
-    rows = np.array(sorted({m.key & 0xFFFFFFFF for m in matches if m.key >> 32 == s and not m.key & TAIL}), np.int64)
+    rows = np.unique(rows)
     mask = np.zeros(int(rows[-1]) + 1 if len(rows) else 0, bool)
     mask[rows] = matching_rows(shard, rows)
     alive = reader.alive(s)
@@ -321,23 +317,42 @@ def _visible(
     reader: IndexReader,
     tail: TailState,
     copy: _Copy,
-    matches: list[Match],
+    matches: Matches,
     allow: Allow | None,
     tail_allowed: np.ndarray,
-) -> Iterator[Candidate]:
-    matches = [m for m in matches if m.key & TAIL or copy.current(m.key, tail.version)]
-    shards = {m.key >> 32 for m in matches if not m.key & TAIL}
+) -> Ranking:
+    """The matches the caller may see, in order, as a ``Ranking``."""
+    keys = matches.keys
+    in_tail = keys >= np.uint64(TAIL)
+    keep = np.zeros(len(keys), bool)
+    rows = (keys[in_tail] - np.uint64(TAIL)).astype(np.int64)
+    keep[in_tail] = _flags(tail_allowed[: tail.n], rows)  # a row past the snapshot is not in it
+    index_at = np.flatnonzero(~in_tail)
+    index_keys = keys[index_at].astype(np.int64)
+    if copy.stale:  # rows that the tail's commits superseded by this snapshot's version
+        current = np.fromiter((copy.current(key, tail.version) for key in index_keys.tolist()), bool, len(index_keys))
+        index_at, index_keys = index_at[current], index_keys[current]
+    shards = index_keys >> SHARD_SHIFT
+    fids = index_keys & ((1 << SHARD_SHIFT) - 1)
+    numbers = np.unique(shards).tolist()
     if allow is not None:  # a metadata filter: the shards' id maps hold the metadata
-        masks = {s: _filtered(reader, s, shard, allow, matches) for s, shard in reader.shards(shards).items()}
+        loaded = reader.shards(numbers)
+        masks = {s: _filtered(reader, s, shard, allow, fids[shards == s]) for s, shard in loaded.items()}
     else:
-        masks = {s: reader.alive(s) for s in shards}
-    for m in matches:
-        if m.key & TAIL:
-            row = m.key & ~TAIL
-            if row < tail.n and tail_allowed[row]:
-                yield (m.score, "tail", row)
-        else:
-            s, fid = m.key >> 32, m.key & 0xFFFFFFFF
-            mask = masks[s]
-            if mask is None or (fid < len(mask) and mask[fid]):
-                yield (m.score, "index", Hit(s, fid, 0.0))
+        masks = {s: reader.alive(s) for s in numbers}
+    for s in numbers:
+        mask = masks[s]
+        ours = shards == s
+        keep[index_at[ours]] = True if mask is None else _flags(mask, fids[ours])
+    out = keys.astype(np.int64)  # an index row's key is its ranking key (a tail row's: below)
+    out[in_tail] = tail_keys(rows)
+    found = np.flatnonzero(keep)
+    return Ranking(matches.scores[found], out[found])
+
+
+def _flags(mask: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """``mask[at]``, False where ``at`` is past its end."""
+    inside = at < len(mask)
+    out = np.zeros(len(at), bool)
+    out[inside] = mask[at[inside]]
+    return out

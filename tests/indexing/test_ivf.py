@@ -105,10 +105,12 @@ def test_hits_give_back_the_vectors_that_were_indexed(built) -> None:
     expected = x[[int(r["chunk_id"][1:]) for r in rows]]
     np.testing.assert_array_equal(reader.vectors(flat), expected)
     assert reader.vectors([]).shape == (0, x.shape[1])
-    # with the hits, as hybrid's feedback asks: the same hits, and each hit's vector
-    again, vectors = reader.search_with_vectors(x[[5, 900, 2500]], 10, nprobe=8)
-    assert again == hits
+    # as arrays with their vectors, as hybrid's feedback asks: the same hits, and each hit's vector
+    again, vectors = reader.search_arrays(x[[5, 900, 2500]], 10, nprobe=8, with_vectors=True)
+    assert [found.hits() for found in again] == hits
+    assert vectors is not None
     np.testing.assert_array_equal(np.concatenate(vectors), expected)
+    assert reader.search_arrays(x[[5]], 10, nprobe=8)[1] is None
 
 
 def test_a_shard_without_a_direct_map_gives_back_the_same_vectors(built) -> None:

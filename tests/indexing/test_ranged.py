@@ -96,7 +96,9 @@ def test_recall_with_exact_rerank_matches_the_float_index(indexes) -> None:  # t
     assert np.allclose(np.square(v - queries[0]).sum(axis=1), exact_d[:3], atol=1e-4)
     # the re-ranking's own vectors come back with the hits, and nothing is read twice for them
     counted = CountingStore(str(sq8))
-    again, vectors = IndexReader(counted).search_with_vectors(queries[:5], 10, nprobe=8)
+    found, vectors = IndexReader(counted).search_arrays(queries[:5], 10, nprobe=8, with_vectors=True)
+    assert vectors is not None
+    again = [one.hits() for one in found]
     alone = CountingStore(str(sq8))
     assert IndexReader(alone).search(queries[:5], 10, nprobe=8) == again == hits
     assert sorted(counted.ranged) == sorted(alone.ranged) and sorted(counted.whole) == sorted(alone.whole)

@@ -31,6 +31,7 @@ from indexing.keyword import (
     terms,
 )
 from indexing.manifest import ManifestError, load_manifest, publish
+from indexing.reader import Hit
 from indexing.snapshot import plan
 from indexing.store import LocalStore
 from pipelines.storage import ObjectStoreSettings
@@ -40,6 +41,7 @@ from retrieval.engine import SearchEngine
 from retrieval.errors import SearchError
 from retrieval.filters import MetadataFilter
 from retrieval.keyword import KeywordCopies
+from retrieval.ranking import Ranking, index_keys, tail_keys
 from retrieval.views import FUSION_WEIGHTS, EngineOptions, fusion_options
 from serving.fake_embedder import FakeEmbedder
 from tests.retrieval.lakes import Doc, DocLake
@@ -103,8 +105,8 @@ def test_the_query_analyser_agrees_with_the_fields_tokenizer(tmp_path: Path) -> 
     text = "Running os.replace(dirs_exist_ok=True) FAILED with EAGAIN; Ünïcode naïve cafés 3.14 x" + "y" * 50
     index.add([document(7, "Titles Matter", text, None)])
     for term in terms(text) + terms("Titles Matter"):
-        assert [m.key for m in index.search([term], frozenset(), 5)] == [7], term
-    assert index.search(["yyyy"], frozenset(), 5) == []  # a token over 40 bytes is dropped by both
+        assert index.search([term], frozenset(), 5).keys.tolist() == [7], term
+    assert len(index.search(["yyyy"], frozenset(), 5)) == 0  # a token over 40 bytes is dropped by both
 
 
 def test_definitions_are_indexed_by_the_names_they_define() -> None:
@@ -166,8 +168,8 @@ def test_an_index_built_before_the_names_field_still_answers(tmp_path: Path) -> 
     old = KeywordIndex(tmp_path)
     assert not old.has_names
     old.add([document(1, None, ".. function:: replace(src)", ["hr"]), document(2, None, "replace it", None)])
-    assert [m.key for m in old.search(terms("os.replace"), frozenset(), 5, names=query_names("os.replace"))] == [2]
-    assert {m.key for m in old.search(terms("replace"), frozenset({"hr"}), 5)} == {1, 2}
+    assert old.search(terms("os.replace"), frozenset(), 5, names=query_names("os.replace")).keys.tolist() == [2]
+    assert set(old.search(terms("replace"), frozenset({"hr"}), 5).keys.tolist()) == {1, 2}
 
 
 def test_a_definition_outranks_chunks_that_only_mention_its_name(tmp_path: Path, ray_local: None) -> None:
@@ -238,12 +240,33 @@ def test_hybrid_fuses_both_retrievers_and_says_which_found_each(setup) -> None: 
     assert dense_only.mode == "dense" and all(set(r["retrievers"]) == {"dense"} for r in dense_only.results)
 
 
+def tail_ranking(candidates: list[tuple[float, int]]) -> Ranking:
+    """(score, tail row) pairs, best first, as a retriever's ranking."""
+    return Ranking(np.array([c[0] for c in candidates]), tail_keys(np.array([c[1] for c in candidates])))
+
+
+def test_fusion_keys_tell_index_rows_from_tail_rows_and_ties_go_to_the_dense_rank() -> None:
+    engine = SearchEngine.__new__(SearchEngine)
+    engine.options = EngineOptions(**fusion_options("rrf"), dense_weight=1.0, rrf_k=10)
+    # shard 3's faiss id 7, shard 0's id 2**32 - 1 (the largest), tail rows 0 and 5
+    index = index_keys(np.array([3, 0]), np.array([7, 2**32 - 1]))
+    dense = Ranking(np.array([0.9, 0.8, 0.7]), np.concatenate([index, tail_keys(np.array([5]))]))
+    keyword = Ranking(np.array([4.0, 3.0]), np.concatenate([index[:1], tail_keys(np.array([0]))]))
+    # shard 0's id (dense's second) and tail row 0 (keyword's second) tie: the dense rank goes first
+    picked = engine._fuse({"dense": dense, "keyword": keyword}, 4, 1.0)
+    assert [(origin, ref) for _, origin, ref, _ in picked] == [
+        ("index", Hit(3, 7, 0.0)), ("index", Hit(0, 2**32 - 1, 0.0)), ("tail", 0), ("tail", 5)]  # fmt: skip
+    assert picked[1][0] == picked[2][0] == pytest.approx(1 / 12)
+    assert picked[0][3] == {"dense": {"rank": 1, "score": 0.9}, "keyword": {"rank": 1}}
+    assert picked[2][3] == {"keyword": {"rank": 2}}
+
+
 def test_linear_fusion_adds_normalised_scores_and_shows_only_places() -> None:
     engine = SearchEngine.__new__(SearchEngine)
     engine.options = EngineOptions(**fusion_options("linear"))
     # tail rows 0-4; dense scores are cosines, keyword scores BM25's
-    dense = [(0.9, "tail", 0), (0.8, "tail", 1), (0.5, "tail", 2)]
-    keyword = [(12.0, "tail", 2), (9.0, "tail", 3), (3.0, "tail", 1)]
+    dense = tail_ranking([(0.9, 0), (0.8, 1), (0.5, 2)])
+    keyword = tail_ranking([(12.0, 2), (9.0, 3), (3.0, 1)])
     picked = engine._fuse({"dense": dense, "keyword": keyword}, 4, 0.5)
     # min-max normalised: dense 1, 0.75, 0 (rows 0, 1, 2); keyword 1, 0.667, 0 (rows 2, 3, 1)
     totals = {0: 1.0, 1: 0.75 + 0.5 * 0.0, 2: 0.0 + 0.5 * 1.0, 3: 0.5 * (6 / 9)}
@@ -253,7 +276,8 @@ def test_linear_fusion_adds_normalised_scores_and_shows_only_places() -> None:
     assert by_row[2] == {"dense": {"rank": 3, "score": 0.5}, "keyword": {"rank": 1}}
     # a heavier keyword ranking puts BM25's best first; one candidate in a ranking normalises to 1
     assert picked[0][2] == 0 and engine._fuse({"dense": dense, "keyword": keyword}, 1, 2.0)[0][2] == 2
-    assert [ref for _, _, ref, _ in engine._fuse({"dense": dense[:1], "keyword": keyword[2:]}, 2, 0.5)] == [0, 1]
+    one_each = {"dense": dense.head(1), "keyword": tail_ranking([(3.0, 1)])}
+    assert [ref for _, _, ref, _ in engine._fuse(one_each, 2, 0.5)] == [0, 1]
 
 
 def test_feedback_moves_the_query_towards_the_best_chunks_the_caller_may_see(setup) -> None:  # type: ignore[no-untyped-def]
@@ -684,9 +708,9 @@ def test_a_documents_acl_terms_make_it_public_a_groups_or_nobodys(tmp_path: Path
         document(3, None, "ledger", ["hr", None]),  # hr's (a null group grants nothing)
         document(4, None, "ledger", [None]),  # only null groups: nobody's
     ])  # fmt: skip
-    assert {m.key for m in index.search(terms("ledger"), frozenset(), 10)} == {1, 2}
-    assert {m.key for m in index.search(terms("ledger"), frozenset({"hr"}), 10)} == {1, 2, 3}
-    assert {m.key for m in index.search(terms("ledger"), frozenset({"hr", "None", ""}), 10)} == {1, 2, 3}
+    assert set(index.search(terms("ledger"), frozenset(), 10).keys.tolist()) == {1, 2}
+    assert set(index.search(terms("ledger"), frozenset({"hr"}), 10).keys.tolist()) == {1, 2, 3}
+    assert set(index.search(terms("ledger"), frozenset({"hr", "None", ""}), 10).keys.tolist()) == {1, 2, 3}
 
 
 def test_an_index_of_public_documents_only_searches_without_the_acl_filter_until_one_is_not(tmp_path: Path) -> None:
@@ -696,21 +720,22 @@ def test_an_index_of_public_documents_only_searches_without_the_acl_filter_until
     assert index.all_public  # empty
     index.add([document(i, None, f"ledger entry {i} " + "audit " * (i % 5), None) for i in range(40)])
     assert index.all_public
-    unfiltered = [(m.key, m.score) for m in index.search(terms("ledger audit"), frozenset(), 10)]
+    unfiltered = index.search(terms("ledger audit"), frozenset(), 10)
     index._state = (index.searcher, False)  # as if it held a restricted document: the filter's answer
-    assert [(m.key, m.score) for m in index.search(terms("ledger audit"), frozenset(), 10)] == unfiltered
+    filtered = index.search(terms("ledger audit"), frozenset(), 10)
+    assert filtered.keys.tolist() == unfiltered.keys.tolist() and filtered.scores.tolist() == unfiltered.scores.tolist()
     index._state = (index.searcher, True)
     for acl in (["hr"], [None]):  # a group's, nobody's
         index.add([document(100, None, "ledger audit audit audit audit audit", acl)])
         assert not index.all_public
-        assert 100 not in {m.key for m in index.search(terms("ledger audit"), frozenset(), 50)}
-        assert index.search(terms("ledger audit"), frozenset({"hr"}), 1)[0].key == (100 if acl == ["hr"] else 4)
+        assert 100 not in set(index.search(terms("ledger audit"), frozenset(), 50).keys.tolist())
+        assert index.search(terms("ledger audit"), frozenset({"hr"}), 1).keys[0] == (100 if acl == ["hr"] else 4)
         index.add([document(101, None, "ledger", None)])  # public documents after it keep the filter on
         assert not index.all_public
         index.close()
         reopened = KeywordIndex(path)  # a copy opened from disk counts its documents
         assert not reopened.all_public
-        assert 100 not in {m.key for m in reopened.search(terms("ledger audit"), frozenset(), 50)}
+        assert 100 not in reopened.search(terms("ledger audit"), frozenset(), 50).keys.tolist()
         path = tmp_path / f"fresh-{acl[0]}"  # the next kind of document goes into an all-public copy
         index = KeywordIndex(path, create=True)
         index.add([document(i, None, f"ledger entry {i} " + "audit " * (i % 5), None) for i in range(40)])
