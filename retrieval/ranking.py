@@ -13,7 +13,8 @@ import numpy as np
 
 from indexing.reader import Hit
 
-#: an index row's key: its shard << SHARD_SHIFT | its faiss id (a tail row's: -1 - its row)
+#: an index row's key: its shard << SHARD_SHIFT | its faiss id (a tail row's: -1 - its row),
+#: which is its keyword document's key (``indexing.keyword.index_key``) as it is
 SHARD_SHIFT = 32
 
 

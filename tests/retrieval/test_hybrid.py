@@ -26,6 +26,7 @@ from indexing.keyword import (
     defined_names,
     document,
     identifier_query,
+    index_key,
     pristine_name,
     query_names,
     terms,
@@ -250,6 +251,7 @@ def test_fusion_keys_tell_index_rows_from_tail_rows_and_ties_go_to_the_dense_ran
     engine.options = EngineOptions(**fusion_options("rrf"), dense_weight=1.0, rrf_k=10)
     # shard 3's faiss id 7, shard 0's id 2**32 - 1 (the largest), tail rows 0 and 5
     index = index_keys(np.array([3, 0]), np.array([7, 2**32 - 1]))
+    assert index.tolist() == [index_key(3, 7), index_key(0, 2**32 - 1)]  # the keyword documents' keys
     dense = Ranking(np.array([0.9, 0.8, 0.7]), np.concatenate([index, tail_keys(np.array([5]))]))
     keyword = Ranking(np.array([4.0, 3.0]), np.concatenate([index[:1], tail_keys(np.array([0]))]))
     # shard 0's id (dense's second) and tail row 0 (keyword's second) tie: the dense rank goes first
