@@ -226,16 +226,15 @@ class SearchEngine(Views):
                 break
             nprobe = min(nlist, nprobe * 4)
             metrics.NPROBE_WIDENED.inc()
-        rows = tail.search(vector, depth, tail_allowed)
-        tail_rows = np.array([i for i, _ in rows], np.int64)
-        distances = np.concatenate([found[0].distances.astype(np.float64), np.array([d for _, d in rows], np.float64)])
+        tail_rows, tail_distances = tail.search(vector, depth, tail_allowed)
+        distances = np.concatenate([found[0].distances.astype(np.float64), tail_distances])
         keys = np.concatenate([index_keys(found[0].shards, found[0].ids), tail_keys(tail_rows)])
         order = np.argsort(distances, kind="stable")[:depth]
         best = Ranking(1.0 - distances[order] / 2.0, keys[order])
         if not with_vectors:
             return best, nprobe, None
         assert stored is not None
-        tail_vectors = tail.vectors[tail_rows] if rows else np.zeros((0, len(vector)), np.float32)
+        tail_vectors = tail.vectors[tail_rows] if len(tail_rows) else np.zeros((0, len(vector)), np.float32)
         return best, nprobe, np.concatenate([stored[0], tail_vectors])[order]
 
     def _feedback(self, vector: np.ndarray, found: Ranking, stored: np.ndarray) -> Ranking:

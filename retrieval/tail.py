@@ -243,15 +243,17 @@ class TailState:
         """Whether any index copy is stale at this snapshot's version."""
         return self.log.first_version is not None and self.log.first_version <= self.version
 
-    def search(self, query: np.ndarray, k: int, allowed: np.ndarray) -> list[tuple[int, float]]:
-        """(row, squared L2 distance) of the k nearest allowed rows (``allowed``: one flag per row).
+    def search(self, query: np.ndarray, k: int, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, squared L2 distances) of the k nearest allowed rows, nearest first (``allowed``:
+        one flag per row), as arrays: a hybrid query takes 100 candidates from a tail of hundreds
+        of rows, and a Python pair per candidate cost it 0.1-0.2 ms.
 
         Exact over a small tail or a caller allowed few rows; through the tail's IVF index
         (:mod:`retrieval.tail_index`) once the tail is large.
         """
         count = int(allowed.sum()) if self.n and k > 0 else 0
         if count == 0:
-            return []
+            return np.zeros(0, np.int64), np.zeros(0, np.float64)
         if count > EXACT_ALLOWED_ROWS:
             found = self.log.index.search(query, k, allowed)
             if found is not None:
@@ -266,8 +268,8 @@ class TailState:
         k = min(k, len(dist))
         top = np.argpartition(dist, k - 1)[:k]
         top = top[np.argsort(dist[top], kind="stable")]
-        found = [(int(i), float(dist[i])) for i in top if np.isfinite(dist[i])]
-        return found if rows is None else [(int(rows[i]), d) for i, d in found]
+        top = top[np.isfinite(dist[top])]
+        return (top if rows is None else rows[top]).astype(np.int64), dist[top].astype(np.float64)
 
     def rebased(self, base_version: int) -> TailState:
         """The tail of a newer index (built at ``base_version``): drops what that index holds."""

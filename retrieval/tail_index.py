@@ -123,8 +123,9 @@ class TailIndex:
             ids = np.arange(start, end, dtype=np.int64)[keep]
             index.add_with_ids(np.ascontiguousarray(vectors[start:end][keep]), ids)
 
-    def search(self, query: np.ndarray, k: int, allowed: np.ndarray) -> list[tuple[int, float]] | None:
-        """(row, squared L2 distance) of the k nearest allowed rows; None if the index cannot answer."""
+    def search(self, query: np.ndarray, k: int, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(rows, squared L2 distances) of the k nearest allowed rows, nearest first; None if the
+        index cannot answer."""
         n = len(allowed)
         with self._lock.reading():
             index = self._index
@@ -142,4 +143,5 @@ class TailIndex:
                 if found >= want or nprobe >= index.nlist:
                     break
                 nprobe = min(index.nlist, nprobe * 4)
-        return [(int(i), float(2.0 - 2.0 * s)) for i, s in zip(ids[0], sims[0], strict=True) if i >= 0]
+        hit = ids[0] >= 0
+        return ids[0][hit].astype(np.int64), (2.0 - 2.0 * sims[0][hit]).astype(np.float64)

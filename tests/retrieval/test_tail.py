@@ -71,12 +71,14 @@ def check(state: TailState, commits: list[pa.Table], query: np.ndarray) -> None:
         allowed = state.allowed(groups)
         visible = live.filter(pa.array(acl_mask(live.column("acl"), groups))) if live.num_rows else live
         assert chunk_ids(table, allowed) == chunk_ids(visible)
-        hits = state.search(query, 5, allowed)
+        rows, distances = state.search(query, 5, allowed)
         want: list[float] = []
         if visible.num_rows:
             vectors = np.stack(visible.column("embedding").to_numpy(zero_copy_only=False))
             want = sorted(2.0 - 2.0 * (vectors @ query))[:5]
-        assert np.allclose([d for _, d in hits], want, atol=1e-5)
+        assert np.allclose(distances, want, atol=1e-5)
+        assert rows.dtype == np.int64 and all(allowed[rows])
+        assert np.allclose(distances, 2.0 - 2.0 * (state.vectors[rows] @ query), atol=1e-5)  # each row's own distance
 
 
 change = st.tuples(st.integers(0, 12), st.integers(0, 40), st.booleans(), st.integers(0, 3))

@@ -73,13 +73,13 @@ def test_a_large_tail_is_searched_through_its_index(small_thresholds: None) -> N
             allowed = snapshot.allowed(groups)
             for row in np.flatnonzero(allowed)[:: max(1, int(allowed.sum()) // 25)]:
                 query = snapshot.vectors[row]
-                hits = snapshot.search(query, 10, allowed)
-                rows = [r for r, _ in hits]
+                found, distances = snapshot.search(query, 10, allowed)
+                rows = found.tolist()
                 assert rows[0] == row  # its own vector finds it first
                 assert all(r < snapshot.n and allowed[r] for r in rows)  # never a row it may not see
-                assert len(hits) == min(10, int(allowed.sum()))
+                assert len(rows) == len(distances) == min(10, int(allowed.sum()))
                 want = exact(snapshot, query, 10, allowed)
-                assert np.allclose([d for _, d in hits], sorted(d for _, d in hits))
+                assert np.allclose(distances, np.sort(distances))
                 recalls.append(len(set(rows) & set(want)) / len(want))
         assert np.mean(recalls) >= 0.85, np.mean(recalls)  # random 8-d vectors: real embeddings do better
 
@@ -95,11 +95,11 @@ def test_few_allowed_rows_are_searched_exactly(small_thresholds: None) -> None:
         allowed[rng.choice(np.flatnonzero(state.live), size, replace=False)] = True
         query = rng.normal(size=DIM).astype(np.float32)
         query /= np.linalg.norm(query)
-        hits = state.search(query, 10, allowed)
-        assert len(hits) == min(10, size)  # widened until every allowed row that can be is found
-        assert all(allowed[r] for r, _ in hits)
+        rows, _ = state.search(query, 10, allowed)
+        assert len(rows) == min(10, size)  # widened until every allowed row that can be is found
+        assert all(allowed[rows])
         if size < 40:
-            assert [r for r, _ in hits] == exact(state, query, 10, allowed)
+            assert rows.tolist() == exact(state, query, 10, allowed)
 
 
 def test_searches_while_the_tail_grows_and_retrains(small_thresholds: None) -> None:
@@ -116,8 +116,8 @@ def test_searches_while_the_tail_grows_and_retrains(small_thresholds: None) -> N
                 state = log.snapshot()
                 allowed = state.allowed(GROUPS[3])
                 query = rng.normal(size=DIM).astype(np.float32)
-                for r, _ in state.search(query / np.linalg.norm(query), 10, allowed):
-                    assert r < state.n and allowed[r]
+                rows, _ = state.search(query / np.linalg.norm(query), 10, allowed)
+                assert all(rows < state.n) and all(allowed[rows])
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
