@@ -6,7 +6,8 @@ The Python FAQ pages (``faq/*.rst``) hold question → answer pairs: each questi
 ending in "?" is a query, and the chunks of its answer (the text under that heading, as
 the pipeline's chunker cut the page) are the relevant items. Every chunk of the whole
 documentation (about 40k, embedded as the ingest job would: benchmarks/pydocs.py) is a
-candidate. Reported per system: nDCG@10, recall@10 and MRR (first relevant chunk), for
+candidate. Reported per system, from the k = 10 results ``/v1/search`` returns by default:
+nDCG@10, recall@10 and MRR@10 (first relevant chunk), for
 
 - ``exact``: flat inner-product search over every chunk vector (faiss IndexFlatIP);
   every system's vectors are those the ingest job writes by default: each chunk's mixed
@@ -22,6 +23,8 @@ candidate. Reported per system: nDCG@10, recall@10 and MRR (first relevant chunk
   reciprocal rank fusion's, and each weight/constant of a small grid for both; the keyword
   ranking of a query that is an identifier (``os.replace``:
   ``indexing.keyword.identifier_query``) or a sentence naming code has its own weight and grid;
+- ``hybrid(keyword depth=D)``: the default fusion with the keyword ranking's best D candidates
+  (``serve --keyword-depth``; at least k): the floor of its min-max normalisation;
 - ``hybrid(feedback m=M,b=B)``: the default fusion, its dense candidates ranked again by the
   query moved towards the mean vector of the M nearest of them at weight B (pseudo-relevance
   feedback, Rocchio; ``serve --feedback-docs M --feedback-weight B``; M = 0: none);
@@ -205,6 +208,9 @@ CODE = (0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 #: hybrid's pseudo-relevance feedback (retrieval.views.EngineOptions.feedback_docs, feedback_weight):
 #: (chunks, weight), (0, 0) = none
 FEEDBACK = ((0, 0.0), (1, 0.3), (1, 0.6), (1, 1.0), (1, 1.5), (2, 0.6), (2, 1.0), (3, 0.6))
+#: hybrid's keyword ranking depths (``serve --keyword-depth``; at least k): the floor of its
+#: min-max normalisation, and how many candidates tantivy collects
+KEYWORD_DEPTH = (10, 15, 20, 30, 50, 100)
 #: context weights measured beside the ingest job's default (``--context-weight``; 0: none)
 CONTEXT = (0.0, 0.5, 1.5)
 
@@ -213,7 +219,7 @@ def scores(lists: list[list[int]], qs: list[Question]) -> dict[str, float]:
     return {
         "ndcg@10": float(np.mean([ndcg(r, q.relevant) for r, q in zip(lists, qs, strict=True)])),
         "recall@10": float(np.mean([recall(r, q.relevant) for r, q in zip(lists, qs, strict=True)])),
-        "mrr": float(np.mean([mrr(r, q.relevant) for r, q in zip(lists, qs, strict=True)])),
+        "mrr@10": float(np.mean([mrr(r, q.relevant) for r, q in zip(lists, qs, strict=True)])),
     }
 
 
@@ -225,7 +231,7 @@ def ranked_by(
     lists, took = [], []
     for text, vector in zip(texts, vectors, strict=True):
         t = time.perf_counter()
-        result = engine.search_view(view, text, vector, K * 10, ANONYMOUS, False, None, mode)
+        result = engine.search_view(view, text, vector, K, ANONYMOUS, False, None, mode)
         took.append(time.perf_counter() - t)
         lists.append([int(r["chunk_id"][1:]) for r in result.results])
     return lists, took
@@ -266,7 +272,7 @@ def main() -> None:
     flat = faiss.IndexFlatIP(corpus.vectors.shape[1])
     flat.add(contextual_documents(corpus.vectors, corpus.doc_ids, DEFAULT_WEIGHT))
     for name in sets:
-        _, found = flat.search(query_vectors[name], K * 10)
+        _, found = flat.search(query_vectors[name], K)
         ranked[name]["exact"] = [[int(i) for i in row] for row in found]
     if args.int8:
         int8 = embedded_pydocs(embedder=load_embedder(dtype="int8"))
@@ -274,7 +280,7 @@ def main() -> None:
         flat8 = faiss.IndexFlatIP(int8.vectors.shape[1])
         flat8.add(contextual_documents(int8.vectors, int8.doc_ids, DEFAULT_WEIGHT))
         for name in sets:
-            _, found = flat8.search(int8.embedder.embed(texts[name]), K * 10)
+            _, found = flat8.search(int8.embedder.embed(texts[name]), K)
             ranked[name]["exact-int8"] = [[int(i) for i in row] for row in found]
 
     defaults = EngineOptions()
@@ -317,6 +323,10 @@ def main() -> None:
                     for docs, weight in FEEDBACK:
                         engine.options = dataclasses.replace(defaults, feedback_docs=docs, feedback_weight=weight)
                         system = f"hybrid(feedback m={docs},b={weight})"
+                        ranked[name][system], took = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
+                    for depth in KEYWORD_DEPTH:
+                        engine.options = dataclasses.replace(defaults, keyword_depth=depth)
+                        system = f"hybrid(keyword depth={depth})"
                         ranked[name][system], took = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
                     engine.options = rrf
                     ranked[name]["hybrid(rrf)"], took = ranked_by(engine, texts[name], query_vectors[name], "hybrid")
@@ -363,7 +373,7 @@ def main() -> None:
     for system, took in latency.items():
         ms = np.array(took) * 1000
         emit(bench="quality_latency", system=system, queries=len(ms), p50_ms=round(float(np.percentile(ms, 50)), 2),
-             p99_ms=round(float(np.percentile(ms, 99)), 2), note="in-process, k=100")  # fmt: skip
+             p99_ms=round(float(np.percentile(ms, 99)), 2), note=f"in-process, k={K}")  # fmt: skip
     per_million = 1_000_000 / max(1, keyword_stats["docs"])
     emit(bench="keyword_index", docs=keyword_stats["docs"], bytes=keyword_stats["bytes"],
          seconds=keyword_stats["seconds"], bytes_per_million=int(keyword_stats["bytes"] * per_million),
@@ -410,6 +420,19 @@ def main() -> None:
          held_out_faq_ndcg_vs_dense=round(on("faq", chosen, held_rows)["ndcg@10"]
                                           / on("faq", "ivf", held_rows)["ndcg@10"], 4))  # fmt: skip
 
+    # Keyword depth: likewise, against depth 100 (the default before it was chosen).
+    deepest = f"hybrid(keyword depth={max(KEYWORD_DEPTH)})"
+    grid = [f"hybrid(keyword depth={depth})" for depth in KEYWORD_DEPTH]
+    eligible = [s for s in grid if all(on(n, s, dev_rows)["ndcg@10"] >= on(n, deepest, dev_rows)["ndcg@10"] - 0.005
+                                       for n in sets)]  # fmt: skip
+    chosen = max(eligible, key=lambda system: on("faq", system, dev_rows)["ndcg@10"])
+    emit(bench="keyword_depth_choice", chosen=chosen, default=defaults.keyword_depth,
+         **{f"{part}_{name}_ndcg_vs_depth_{max(KEYWORD_DEPTH)}": round(on(name, chosen, rows)["ndcg@10"]
+                                                                    / on(name, deepest, rows)["ndcg@10"], 4)
+            for part, rows in (("dev", dev_rows), ("held_out", held_rows)) for name in sets},
+         held_out_faq_ndcg_vs_dense=round(on("faq", chosen, held_rows)["ndcg@10"]
+                                          / on("faq", "ivf", held_rows)["ndcg@10"], 4))  # fmt: skip
+
     def at(name: str, label: str, weight: float, rows: dict[str, list[int]]) -> dict[str, float]:
         return on(name, f"hybrid({label} w={weight})", rows)
 
@@ -446,9 +469,9 @@ def main() -> None:
          hybrid_identifiers_recall=round(ident["hybrid"]["recall@10"], 4),
          hybrid_never_below_dense=never_below)  # fmt: skip
     for name, rows in table.items():
-        print(f"\n{name}\n| system | nDCG@10 | recall@10 | MRR |\n|---|---|---|---|", file=sys.stderr)
+        print(f"\n{name}\n| system | nDCG@10 | recall@10 | MRR@10 |\n|---|---|---|---|", file=sys.stderr)
         for system, found in rows.items():
-            print(f"| {system} | {found['ndcg@10']:.3f} | {found['recall@10']:.3f} | {found['mrr']:.3f} |",
+            print(f"| {system} | {found['ndcg@10']:.3f} | {found['recall@10']:.3f} | {found['mrr@10']:.3f} |",
                   file=sys.stderr)  # fmt: skip
 
 

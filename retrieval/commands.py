@@ -80,7 +80,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "per ranking. Either way a result's score shows only ranks (linear: 1 / its place), never BM25's",
     )
     p.add_argument("--rrf-k", type=int, help="hybrid: the constant k of weight / (k + rank) (10)")
-    p.add_argument("--fusion-depth", type=int, help="hybrid: candidates fused from each ranking (100)")
+    p.add_argument("--fusion-depth", type=int, help="hybrid: candidates fused from the dense ranking (100)")
+    p.add_argument(
+        "--keyword-depth",
+        type=int,
+        help="hybrid: candidates fused from the keyword ranking, at least k (15: chosen by benchmarks/quality.py)",
+    )
     p.add_argument(
         "--feedback-docs",
         type=int,
@@ -217,6 +222,7 @@ def _engine(config: EngineSettings) -> Any:
         mode=config.mode,
         rrf_k=config.rrf_k,
         fusion_depth=config.fusion_depth,
+        keyword_depth=config.keyword_depth,
         feedback_docs=config.feedback_docs,
         feedback_weight=config.feedback_weight,
         keyword_dir=str(keyword_dir(config.cache_dir or default_cache_dir())),

@@ -144,6 +144,7 @@ class SearchEngine(Views):
             if where is not None and tail.n:
                 tail_allowed = tail_allowed & where.mask(tail.table.column("metadata"), tail.n)
             depth = k if mode != "hybrid" else max(k, self.options.fusion_depth)
+            keyword_depth = k if mode != "hybrid" else max(k, self.options.keyword_depth)
             lists: dict[str, Ranking] = {}
             nprobe = 0
 
@@ -155,7 +156,7 @@ class SearchEngine(Views):
                     reader,
                     tail,
                     query,
-                    depth,
+                    keyword_depth,
                     principal.groups,
                     allow if where is not None else None,
                     tail_allowed,

@@ -50,7 +50,8 @@ class EngineSettings(BaseSettings):
     )
     fusion: str = Field("linear", pattern=r"^(rrf|linear)$", description="hybrid: how rankings are fused")
     rrf_k: int = Field(10, ge=1, description="hybrid: reciprocal rank fusion's constant")
-    fusion_depth: int = Field(100, ge=1, le=1000, description="hybrid: candidates taken from each retriever")
+    fusion_depth: int = Field(100, ge=1, le=1000, description="hybrid: candidates taken from the dense ranking")
+    keyword_depth: int = Field(15, ge=1, le=1000, description="hybrid: candidates taken from the keyword ranking")
     feedback_docs: int = Field(
         1, ge=0, le=100, description="hybrid: chunks whose mean vector moves the query (relevance feedback; 0: off)"
     )

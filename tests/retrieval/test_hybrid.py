@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -36,6 +37,7 @@ from indexing.reader import Hit
 from indexing.snapshot import plan
 from indexing.store import LocalStore
 from pipelines.storage import ObjectStoreSettings
+from retrieval import engine as engine_module
 from retrieval.acl import ANONYMOUS, Principal
 from retrieval.cache import ShardCache
 from retrieval.engine import SearchEngine
@@ -239,6 +241,31 @@ def test_hybrid_fuses_both_retrievers_and_says_which_found_each(setup) -> None: 
     assert all("score" not in r["retrievers"].get("keyword", {}) for r in result.results)
     dense_only = engine.search(docs[42].text, k=5, mode="dense")
     assert dense_only.mode == "dense" and all(set(r["retrievers"]) == {"dense"} for r in dense_only.results)
+
+
+def test_hybrid_fuses_the_keyword_rankings_own_depth_of_candidates(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``--keyword-depth``: hybrid takes the keyword ranking's best max(k, depth) candidates (the
+    floor of its min-max normalisation), whatever ``--fusion-depth`` takes from the dense one;
+    keyword mode ranks k."""
+    engine, _, _ = setup
+    asked: list[int] = []
+    real = engine_module.keyword_search
+
+    def spy(*args: Any, **kwargs: Any) -> Ranking:
+        asked.append(args[4])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "keyword_search", spy)
+    query = "note w1 w2 w3 w4 w5"
+    for depth, k in ((3, 5), (8, 5), (8, 12), (100, 5)):
+        engine.options = dataclasses.replace(engine.options, keyword_depth=depth, fusion_depth=50)
+        result = engine.search(query, k=k)
+        assert asked.pop() == max(k, depth)
+        ranks = [r["retrievers"]["keyword"]["rank"] for r in result.results if "keyword" in r["retrievers"]]
+        assert ranks and max(ranks) <= max(k, depth)
+        assert len(result.results) == k
+    engine.search(query, k=5, mode="keyword")
+    assert asked == [5]
 
 
 def tail_ranking(candidates: list[tuple[float, int]]) -> Ranking:
