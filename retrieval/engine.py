@@ -12,12 +12,7 @@ version and tail a query searches is the business of ``retrieval.views``.
 
 from __future__ import annotations
 
-import os
-import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -54,17 +49,6 @@ class SearchEngine(Views):
     ) -> None:
         super().__init__(lake, index_store, embedder, source, options or EngineOptions())
         self.queries = QueryEmbedder(embedder)
-        # hybrid: the keyword ranking runs here while the request's thread ranks by vector
-        # (tantivy and faiss both release the GIL) when a core is free for it; threads start on
-        # first use
-        self._keyword_pool = ThreadPoolExecutor(16, thread_name_prefix="keyword-search")
-        self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self._in_flight = 0  # searches running now (_counted)
-        self._in_flight_lock = threading.Lock()
-
-    def stop(self) -> None:
-        super().stop()
-        self._keyword_pool.shutdown(wait=True)
 
     def search(
         self,
@@ -137,71 +121,42 @@ class SearchEngine(Views):
         where: MetadataFilter | None,
         mode: str,
     ) -> SearchResult:
-        with self._counted() as spare:
-            reader, tail = view.reader, view.tail
-            allow = shard_filter(tail, principal.groups, where)
-            tail_allowed = tail.allowed(principal.groups)
-            if where is not None and tail.n:
-                tail_allowed = tail_allowed & where.mask(tail.table.column("metadata"), tail.n)
+        reader, tail = view.reader, view.tail
+        allow = shard_filter(tail, principal.groups, where)
+        tail_allowed = tail.allowed(principal.groups)
+        if where is not None and tail.n:
+            tail_allowed = tail_allowed & where.mask(tail.table.column("metadata"), tail.n)
+        lists: dict[str, Ranking] = {}
+        nprobe = 0
+        if mode != "keyword":
+            assert vector is not None
             depth = k if mode != "hybrid" else max(k, self.options.fusion_depth)
-            keyword_depth = k if mode != "hybrid" else max(k, self.options.keyword_depth)
-            lists: dict[str, Ranking] = {}
-            nprobe = 0
-
-            def by_keyword() -> Ranking:
-                assert query is not None
-                t = time.perf_counter()
-                found = keyword_search(
-                    self.keywords,
-                    reader,
-                    tail,
-                    query,
-                    keyword_depth,
-                    principal.groups,
-                    allow if where is not None else None,
-                    tail_allowed,
-                )
-                metrics.SEARCH_SECONDS.labels("keyword").observe(time.perf_counter() - t)
-                return found
-
-            keyword = self._keyword_pool.submit(by_keyword) if mode == "hybrid" and spare else None
-            if mode != "keyword":
-                assert vector is not None
-                try:
-                    feedback = mode == "hybrid" and self.options.feedback_docs > 0
-                    found, nprobe, stored = self._dense(reader, tail, vector, depth, k, allow, tail_allowed, feedback)
-                    lists["dense"] = self._feedback(vector, found, stored) if stored is not None else found
-                except BaseException:
-                    if keyword is not None:
-                        wait([keyword])  # no keyword search outlives its request
-                    raise
-            if mode != "dense":
-                lists["keyword"] = keyword.result() if keyword is not None else by_keyword()
-            picked = (
-                self._fuse(lists, k, self._keyword_weight(query or ""))
-                if mode == "hybrid"
-                else _ranked(lists[mode], mode, k)
+            feedback = mode == "hybrid" and self.options.feedback_docs > 0
+            found, nprobe, stored = self._dense(reader, tail, vector, depth, k, allow, tail_allowed, feedback)
+            lists["dense"] = self._feedback(vector, found, stored) if stored is not None else found
+        if mode != "dense":
+            assert query is not None
+            t = time.perf_counter()
+            lists["keyword"] = keyword_search(
+                self.keywords,
+                reader,
+                tail,
+                query,
+                k if mode != "hybrid" else max(k, self.options.keyword_depth),
+                principal.groups,
+                allow if where is not None else None,
+                tail_allowed,
             )
-            results, vectors = self._materialize(view, picked, with_vectors)
-            # Only the tail rows this caller may see are counted: the total would tell an outsider
-            # how many hidden chunks changed since the index.
-            visible_tail = int(tail_allowed.sum())
-            return SearchResult(results, reader.manifest.version, tail.version, nprobe, visible_tail, {}, vectors, mode)
-
-    @contextmanager
-    def _counted(self) -> Iterator[bool]:
-        """Counts a search while it runs; yields whether a core is free for it to hand its
-        keyword ranking to a pool thread. When every core has a search, the hand-off only adds
-        work (8 hybrid searches at once on 2 cores, in-process: 1.46 ms of CPU a query inline,
-        1.52-1.61 on the pool thread)."""
-        with self._in_flight_lock:
-            self._in_flight += 1
-            spare = self._in_flight < self._cores
-        try:
-            yield spare
-        finally:
-            with self._in_flight_lock:
-                self._in_flight -= 1
+            metrics.SEARCH_SECONDS.labels("keyword").observe(time.perf_counter() - t)
+        if mode == "hybrid":
+            picked = self._fuse(lists, k, self._keyword_weight(query or ""))
+        else:
+            picked = _ranked(lists[mode], mode, k)
+        results, vectors = self._materialize(view, picked, with_vectors)
+        # Only the tail rows this caller may see are counted: the total would tell an outsider
+        # how many hidden chunks changed since the index.
+        visible_tail = int(tail_allowed.sum())
+        return SearchResult(results, reader.manifest.version, tail.version, nprobe, visible_tail, {}, vectors, mode)
 
     def _dense(
         self,

@@ -335,14 +335,10 @@ def _visible(
     shards = index_keys >> SHARD_SHIFT
     fids = index_keys & ((1 << SHARD_SHIFT) - 1)
     numbers = np.unique(shards).tolist()
-    if allow is not None:  # a metadata filter: the shards' id maps hold the metadata
-        loaded = reader.shards(numbers)
-        masks = {s: _filtered(reader, s, shard, allow, fids[shards == s]) for s, shard in loaded.items()}
-    else:
-        masks = {s: reader.alive(s) for s in numbers}
+    loaded = reader.shards(numbers) if allow is not None else {}  # a metadata filter: the id maps hold the metadata
     for s in numbers:
-        mask = masks[s]
         ours = shards == s
+        mask = _filtered(reader, s, loaded[s], allow, fids[ours]) if allow is not None else reader.alive(s)
         keep[index_at[ours]] = True if mask is None else _flags(mask, fids[ours])
     out = keys.astype(np.int64)  # an index row's key is its ranking key (a tail row's: below)
     out[in_tail] = tail_keys(rows)

@@ -372,33 +372,6 @@ def test_hybrid_queries_from_many_threads_answer_as_one_at_a_time(setup) -> None
     assert ids(engine.search("os.replace", k=1)) == [docs[42].chunk_id]
 
 
-def test_the_keyword_ranking_goes_to_the_pool_only_while_a_core_is_free(setup) -> None:  # type: ignore[no-untyped-def]
-    engine, _, docs = setup
-    pool, handed = engine._keyword_pool, []
-
-    class Recording:
-        def submit(self, fn):  # type: ignore[no-untyped-def]
-            handed.append(fn)
-            return pool.submit(fn)
-
-    engine._keyword_pool = Recording()
-    cores = engine._cores
-    try:
-        engine._cores = 2  # this search and one free core: the pool thread ranks by keyword
-        on_pool = engine.search(docs[42].text, k=5).results
-        assert len(handed) == 1
-        engine._cores = 1  # every core busy (here: this search's): inline, the same answer
-        inline = engine.search(docs[42].text, k=5).results
-        assert len(handed) == 1 and inline == on_pool
-        engine._dense = lambda *args: (_ for _ in ()).throw(RuntimeError("shard read failed"))  # type: ignore[method-assign]
-        with pytest.raises(RuntimeError):
-            engine.search(docs[42].text, k=5)
-    finally:
-        del engine._dense
-        engine._keyword_pool, engine._cores = pool, cores
-    assert engine._in_flight == 0  # counted out after an answer and after a failure
-
-
 def test_acl_filters_inside_the_keyword_scan(setup) -> None:  # type: ignore[no-untyped-def]
     engine, lake, docs = setup
     for mode in ("keyword", "hybrid"):
