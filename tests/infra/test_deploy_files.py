@@ -246,3 +246,18 @@ def test_images_install_the_project_as_the_makefile_does() -> None:
     cpu = (INFRA / "Dockerfile").read_text()
     assert "$(PY) -m serving.onnx_export" in makefile
     assert -1 < cpu.find("RUN python -m serving.onnx_export") < cpu.find("USER streamrag")
+
+
+def test_llama_cpp_is_compiled_for_any_avx2_cpu_by_make_and_both_images() -> None:
+    """The embedded generator's llama.cpp is built with the same portable flags everywhere, never
+    ggml's default -march=native: a native build on an Intel VM that advertises AMX without
+    granting it dies on its first matmul (general protection fault at ``ldtilecfg``), and a
+    native wheel or image moved to another CPU can fail the same way."""
+    makefile = (ROOT / "Makefile").read_text()
+    found = re.search(r"^LLAMA_CMAKE_ARGS := (.+)$", makefile, re.M)
+    assert found and "-DGGML_NATIVE=OFF" in found.group(1).split()
+    assert 'CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)"' in makefile
+    version = re.search(r"^LLAMA_VERSION := (\S+)$", makefile, re.M)
+    assert version and f'"llama-cpp-python[server]=={version.group(1)}"' in (ROOT / "pyproject.toml").read_text()
+    for name in ("Dockerfile", "Dockerfile.cuda"):
+        assert f'ENV CMAKE_ARGS="{found.group(1)}"' in (INFRA / name).read_text(), name
