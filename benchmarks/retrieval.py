@@ -14,7 +14,8 @@ Sections
 - http: ``streamrag serve`` on the Python docs (real embeddings, real queries) with 1 and 8
   concurrent loopback clients, each mode: requests/s, p50/p99; queries repeated (served
   from the query-embedding cache) and distinct (each embedded). Target: hybrid p99 <= 1.3x
-  dense.
+  dense. Baseline in the same run: repeated queries served with ``--search-on-workers``
+  (every search handed to a worker thread, as before searches ran on the event loop).
 - freshness: ``streamrag ingest`` and ``streamrag serve`` as users run them; documents
   updated at a steady rate: produce → the new text returned by /v1/search (p50/p95/p99),
   delete → gone; and /v1/search p99 while a bulk load ingests vs idle. With
@@ -319,13 +320,15 @@ def bench_http(work: Path, seconds: float) -> None:
     """/v1/search by mode, at 1 and 8 clients: ``repeated`` queries (400 section titles, each
     embedded once and then served from the query-embedding cache: the search's own cost) and
     ``distinct`` ones (the first ten words of a chunk, each asked once: every request embeds
-    its query, as a new question does)."""
+    its query, as a new question does); then repeated queries, dense and hybrid, served by a
+    second service with ``--search-on-workers`` (the baseline: ``threads="workers"``)."""
     lake, index, queries = pydocs_lake(work)
     texts = embedded_pydocs().texts
     titles = set(queries)
     fresh = [q for q in dict.fromkeys(" ".join(t.split()[:10]) for t in texts) if q.strip() and q not in titles]
     random.Random(3).shuffle(fresh)
     unasked = iter(fresh)
+    on_loop: dict[int, dict[str, float]] = {}  # clients → mode → p99 ms, repeated queries
     proc, url = serve(lake.uri, str(index), work)
     try:
         for mode in ("dense", "hybrid", "keyword"):  # warm-up: shards, keyword files, every code path
@@ -343,6 +346,22 @@ def bench_http(work: Path, seconds: float) -> None:
                          rps=round(len(latencies) / seconds, 1), **shown)  # fmt: skip
                 emit(bench="http_search_hybrid_vs_dense", queries=kind, clients=clients,
                      p99_ratio=round(p99["hybrid"] / p99["dense"], 3), target_p99_ratio=1.3)  # fmt: skip
+                if kind == "repeated":
+                    on_loop[clients] = p99
+    finally:
+        os.killpg(proc.pid, 9)
+    proc, url = serve(lake.uri, str(index), work, "--search-on-workers")
+    try:
+        for mode in ("dense", "hybrid"):
+            load(url, queries, 2, 5, mode)
+        for clients in (1, 8):
+            for mode in ("dense", "hybrid"):
+                latencies, errors = load(url, queries, clients, seconds, mode)
+                shown = percentiles(latencies)
+                emit(bench="http_search", corpus="pydocs", chunks=plan(lake).count, queries="repeated", clients=clients,
+                     mode=mode, threads="workers", seconds=seconds, requests=len(latencies), errors=errors,
+                     rps=round(len(latencies) / seconds, 1), **shown,
+                     event_loop_p99_vs_workers=round(on_loop[clients][mode] / shown["p99_ms"], 3))  # fmt: skip
     finally:
         os.killpg(proc.pid, 9)
 

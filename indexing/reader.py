@@ -13,17 +13,18 @@ more such filter, and its delta shards are searched for every probed list.
 
 from __future__ import annotations
 
+import contextvars
 import io
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from zoneinfo import ZoneInfo
 
 import faiss
@@ -47,8 +48,10 @@ from indexing.manifest import FileRef, Manifest, ShardRef, get_verified, load_ma
 from indexing.npy import load_array
 from indexing.sparse import RangeFetch
 from indexing.store import ObjectStore, get_ranges
+from serving.waiting import may_wait
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -183,10 +186,18 @@ _pools: dict[str, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
+class ContextPool(ThreadPoolExecutor):
+    """A thread pool whose tasks run in the submitter's context (``contextvars``): a search
+    that must not wait (``serving.waiting``) must not wait in the threads it fans out to either."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)
+
+
 def _pool(name: str, threads: int) -> ThreadPoolExecutor:
     with _pools_lock:
         if name not in _pools:
-            _pools[name] = ThreadPoolExecutor(threads, thread_name_prefix=name)
+            _pools[name] = ContextPool(threads, thread_name_prefix=name)
         return _pools[name]
 
 
@@ -228,7 +239,13 @@ def open_ranged_shard(
         def fetch(ranges: list[tuple[int, int]], fresh: bool = False) -> tuple[list[bytes], int, int]:
             return get_ranges(store, file.key, ranges, range_pool())
 
-        return disk(file, fetch) if disk is not None else fetch
+        read = disk(file, fetch) if disk is not None else fetch
+
+        def guarded(ranges: list[tuple[int, int]], fresh: bool = False) -> tuple[list[bytes], int, int]:
+            may_wait(f"a ranged read of {file.key}")  # from the local copy or the store
+            return read(ranges, fresh)
+
+        return guarded
 
     rows = ranged(ref.ids) if ref.id_blocks else None
     lists = ResidentLists(table, name, trained, ranged(ref.index), ranged(ref.vectors), budget, ref.index.sha256, rows)
@@ -274,6 +291,7 @@ class MemoSource:
     def load(self, store: ObjectStore, ref: ShardRef) -> LoadedShard:
         found = self.cached(ref)
         if found is None:
+            may_wait(f"loading shard {ref.index.key}")
             found = load_shard(store, ref)
             with self._lock:
                 found = self._shards.setdefault(ref.index.sha256, found)
@@ -504,6 +522,7 @@ class IndexReader:
         with self._alive_lock:
             if s in self._alive:
                 return self._alive[s]
+        may_wait(f"reading {ref.dead.key}")
         dead = load_array(get_verified(self.store, ref.dead))
         alive = np.ones(ref.count, bool)
         alive[dead] = False
@@ -646,6 +665,7 @@ class IndexReader:
         now = time.monotonic()
         if contains is None or now < self._combine_after:
             return None
+        may_wait("combining the shards' lists")  # CPU, but tens of ms: not on the event loop
         with self._combined_lock:
             if time.monotonic() < self._combine_after:
                 return None  # another query has just tried

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from pipelines.storage import ObjectStoreSettings, is_s3, normalize_uri
 from serving.retry import patience, retrying
+from serving.waiting import may_wait
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,6 +110,7 @@ class LocalStore(ObjectStore):
         return path
 
     def get(self, key: str) -> bytes:
+        may_wait(f"reading {key}")
         try:
             return self._path(key).read_bytes()
         except FileNotFoundError as exc:
@@ -119,6 +121,7 @@ class LocalStore(ObjectStore):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if length <= 0:
             return b""
+        may_wait(f"reading {key}")
         try:
             with self._path(key).open("rb") as fh:
                 fh.seek(start)
@@ -248,6 +251,8 @@ class S3Store(ObjectStore):
         raise AssertionError("unreachable: retrying() re-raises the last failure")
 
     def get(self, key: str) -> bytes:
+        may_wait(f"fetching {key}")
+
         def op() -> bytes:
             body: bytes = self._client.get_object(Bucket=self._bucket, Key=self._key(key))["Body"].read()
             return body
@@ -257,6 +262,7 @@ class S3Store(ObjectStore):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if length <= 0:
             return b""
+        may_wait(f"fetching {key}")
 
         def op() -> bytes:
             span = f"bytes={start}-{start + length - 1}"

@@ -9,7 +9,14 @@ Where work runs, so that no kind of load starves another:
 
 - probes (``/livez``, ``/readyz``, ``/healthz``) and authentication are ``async`` and do no
   I/O: they answer on the event loop, never queued behind work;
-- searches and lineage are plain ``def`` routes, run in FastAPI's thread pool;
+- a search runs on the event loop while all it needs is in memory (shards, the query's
+  embedding, an up-to-date keyword copy): handing it to a worker thread and back cost more
+  CPU than the search itself (the loop's wake-up through its self-pipe, and a GIL hand-off
+  at every native call while other requests' threads wait). The first time it would wait
+  for anything (``serving.waiting``: a store or disk read, the embedder, a lock the tail's
+  thread holds) it starts again on a worker thread, as do ``as_of`` searches and all of
+  them with ``search_on_loop`` off (``serve --search-on-workers``);
+- lineage routes are plain ``def`` routes, run in FastAPI's thread pool;
 - answers (and each step of an SSE stream, which blocks until the model's next token) run
   in a pool of their own (``answer_threads``), so long-lived streams can hold all of it
   without delaying searches or probes.
@@ -65,6 +72,7 @@ from retrieval.schemas import (
     WhoAmI,
 )
 from serving.generator import GeneratorError
+from serving.waiting import WouldWait, without_waiting
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +209,7 @@ def create_app(
     lineage: Lineage | None = None,
     rate_limit: float | None = None,
     answer_threads: int = 64,
+    search_on_loop: bool = True,
     on_startup: Sequence[Callable[[], object]] = (),
     on_shutdown: Sequence[Callable[[], object]] = (),
 ) -> FastAPI:
@@ -271,7 +280,24 @@ def create_app(
         return error(500, "internal error; the server log has the details")
 
     @app.post("/v1/search", response_model=SearchResponse)
-    def search(body: SearchRequest, who: Caller, engine: EngineDep) -> dict[str, Any]:
+    async def search(body: SearchRequest, who: Caller, engine: EngineDep) -> dict[str, Any]:
+        # On the event loop while everything it needs is in memory: a hand-off to a worker
+        # thread and back cost more CPU than a cached query's search (module docstring).
+        if search_on_loop and body.as_of is None:  # as_of may read the lake: not through may_wait
+            try:
+                with without_waiting():
+                    found = run_search(body, who, engine)
+            except WouldWait as exc:
+                log.debug("search moved to a worker thread: %s", exc)
+                metrics.SEARCH_THREADS.labels("worker after loop").inc()
+            else:
+                metrics.SEARCH_THREADS.labels("loop").inc()
+                return found
+        else:
+            metrics.SEARCH_THREADS.labels("worker").inc()
+        return await anyio.to_thread.run_sync(run_search, body, who, engine)
+
+    def run_search(body: SearchRequest, who: Principal, engine: SearchEngine) -> dict[str, Any]:
         t0 = time.perf_counter()
         result = engine.search(body.query, body.k, who, body.as_of, where=where(body.filter), mode=body.mode)
         return {

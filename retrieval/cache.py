@@ -30,6 +30,7 @@ from indexing.reader import LoadedShard, open_shard, range_pool
 from indexing.sparse import RangeFetch, SparseCopy
 from indexing.store import ObjectStore
 from retrieval import metrics
+from serving.waiting import may_wait
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class ShardCache:
         found = self._from_memory(key)
         if found is not None:
             return found
+        may_wait(f"loading shard {ref.index.key}")  # from the disk tier or the store
         with self._lock:
             gate = self._inflight.setdefault(key, threading.Lock())
         with gate:  # one fetch per shard; the others wait for it, then hit memory

@@ -113,6 +113,12 @@ def add_commands(sub: Any) -> None:
         help="requests/s per principal, bursts of twice that, 429 beyond (default 0: off; set it when exposed)",
     )
     p.add_argument(
+        "--search-on-workers",
+        action="store_true",
+        default=None,
+        help="run every search on a worker thread (default: on the event loop while all it needs is in memory)",
+    )
+    p.add_argument(
         "--tail-poll", type=float, help="seconds between polls of the lake (0.5; 2 when following commit notices)"
     )
     p.add_argument(
@@ -362,7 +368,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             shutdown.insert(0, notices.stop)
         app = create_app(
             engine, tokens, answerer, Lineage(engine.lake, audit), config.rate_limit or None,
-            on_startup=startup, on_shutdown=shutdown,
+            search_on_loop=not config.search_on_workers, on_startup=startup, on_shutdown=shutdown,
         )  # fmt: skip
         # log_config=None: uvicorn's records go through our (redacting) handlers.
         server = uvicorn.Server(

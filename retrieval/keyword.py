@@ -49,6 +49,7 @@ from indexing.keyword import (
 from indexing.reader import Allow, IndexReader, LoadedShard
 from retrieval.ranking import SHARD_SHIFT, Ranking, empty, tail_keys
 from retrieval.tail import TailLog, TailState
+from serving.waiting import may_wait
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class _Copy:
         note which index rows its commits superseded."""
         if self.rows >= tail.n and self.stale_upto >= tail.version:
             return  # without the lock: the tail's thread holds it while it commits the next state
+        may_wait("adding the tail's new rows to the keyword copy")  # a commit, or the tail's thread's
         with self.lock:
             start = self.rows
             if start < tail.n:
@@ -184,6 +186,7 @@ class KeywordCopies:
             slot = self._copies.setdefault(tail.log, {}).setdefault(build, _Slot())
         found = slot.copy
         if found is None:
+            may_wait("making a keyword working copy")
             with slot.lock:
                 found = slot.copy
                 if found is None:

@@ -16,6 +16,12 @@ SEARCH_SECONDS = Histogram(
     ["stage"],
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
 )
+SEARCH_THREADS = Counter(
+    "streamrag_search_requests_by_thread_total",
+    "/v1/search requests by where they ran: the event loop (all in memory), a worker after the loop found "
+    "something to wait for, or a worker at once (as_of, --search-on-workers)",
+    ["thread"],
+)  # loop | worker after loop | worker
 NPROBE_WIDENED = Counter(
     "streamrag_search_nprobe_widened_total", "Searches that probed more lists to find k visible results"
 )

@@ -9,6 +9,7 @@ import numpy as np
 
 from pipelines.caches import LRU
 from serving.embedder import Embedder
+from serving.waiting import may_wait
 
 
 class QueryEmbedder:
@@ -23,7 +24,12 @@ class QueryEmbedder:
         self._cache: LRU[str, np.ndarray] = LRU(cache_size)
 
     def embed(self, text: str) -> np.ndarray:
-        return self._cache.get_or_make(text, lambda: self._embed(text))
+        found = self._cache.get(text)
+        if found is None:
+            may_wait("embedding the query")
+            found = self._embed(text)
+            self._cache.put(text, found)
+        return found
 
     def embed_texts(self, texts: list[str]) -> np.ndarray:
         """A batch of other texts (answer sentences, sources), one model call at a time."""

@@ -68,6 +68,8 @@ class ServeSettings(EngineSettings):
     port: int = Field(8000, ge=0, le=65535)
     tokens: Path | None = Field(None, description="bearer tokens → principal and groups (YAML/JSON)")
     rate_limit: float = Field(0.0, ge=0, description="requests/s per principal (0: off)")
+    #: every search on a worker thread (default: on the event loop while all it needs is in memory)
+    search_on_workers: bool = False
     generator_url: str | None = Field(
         None, validation_alias=AliasChoices("generator_url", "STREAMRAG_SERVE_GENERATOR_URL", "STREAMRAG_GENERATOR_URL")
     )
