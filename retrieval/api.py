@@ -8,13 +8,14 @@ only for the server's own faults, without internals).
 Where work runs, so that no kind of load starves another:
 
 - probes (``/livez``, ``/readyz``, ``/healthz``) and authentication are ``async`` and do no
-  I/O: they answer on the event loop, never queued behind work;
+  I/O: they answer on the event loop, never queued behind I/O or the model (at most behind
+  searches that run there from memory, a few milliseconds each);
 - a search runs on the event loop while all it needs is in memory (shards, the query's
   embedding, an up-to-date keyword copy): handing it to a worker thread and back cost more
   CPU than the search itself (the loop's wake-up through its self-pipe, and a GIL hand-off
   at every native call while other requests' threads wait). The first time it would wait
-  for anything (``serving.waiting``: a store or disk read, the embedder, a lock the tail's
-  thread holds) it starts again on a worker thread, as do ``as_of`` searches and all of
+  for anything (``serving.waiting``: a store or disk read, the embedder, tail rows the
+  keyword copy lacks) it starts again on a worker thread, as do ``as_of`` searches and all of
   them with ``search_on_loop`` off (``serve --search-on-workers``);
 - lineage routes are plain ``def`` routes, run in FastAPI's thread pool;
 - answers (and each step of an SSE stream, which blocks until the model's next token) run
