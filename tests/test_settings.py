@@ -31,6 +31,8 @@ def test_variables_configure_every_command_and_flags_win(monkeypatch: pytest.Mon
         "http://vllm:8000/v1",
     )
     assert serve.generator_api_key == "sk-secret" and "sk-secret" not in repr(serve)
+    assert not serve.search_on_workers
+    assert from_args(ServeSettings, parse("serve", "--search-on-workers")).search_on_workers
     monkeypatch.setenv("STREAMRAG_SERVE_GENERATOR_URL", "http://other:8000/v1")  # the command's own name wins
     assert from_args(ServeSettings, parse("serve")).generator_url == "http://other:8000/v1"
     search = from_args(SearchSettings, parse("search", "penguins", "-k", "7"))
