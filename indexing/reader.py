@@ -239,13 +239,7 @@ def open_ranged_shard(
         def fetch(ranges: list[tuple[int, int]], fresh: bool = False) -> tuple[list[bytes], int, int]:
             return get_ranges(store, file.key, ranges, range_pool())
 
-        read = disk(file, fetch) if disk is not None else fetch
-
-        def guarded(ranges: list[tuple[int, int]], fresh: bool = False) -> tuple[list[bytes], int, int]:
-            may_wait(f"a ranged read of {file.key}")  # from the local copy or the store
-            return read(ranges, fresh)
-
-        return guarded
+        return disk(file, fetch) if disk is not None else fetch
 
     rows = ranged(ref.ids) if ref.id_blocks else None
     lists = ResidentLists(table, name, trained, ranged(ref.index), ranged(ref.vectors), budget, ref.index.sha256, rows)
@@ -291,7 +285,6 @@ class MemoSource:
     def load(self, store: ObjectStore, ref: ShardRef) -> LoadedShard:
         found = self.cached(ref)
         if found is None:
-            may_wait(f"loading shard {ref.index.key}")
             found = load_shard(store, ref)
             with self._lock:
                 found = self._shards.setdefault(ref.index.sha256, found)
@@ -522,7 +515,6 @@ class IndexReader:
         with self._alive_lock:
             if s in self._alive:
                 return self._alive[s]
-        may_wait(f"reading {ref.dead.key}")
         dead = load_array(get_verified(self.store, ref.dead))
         alive = np.ones(ref.count, bool)
         alive[dead] = False

@@ -25,6 +25,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from serving.waiting import may_wait
+
 log = logging.getLogger(__name__)
 
 #: (start, length) ranges → their bytes in order, requests made, bytes moved
@@ -95,6 +97,7 @@ class SparseCopy:
     def read_local(self, ranges: list[tuple[int, int]]) -> list[bytes] | None:
         """Every range's bytes from the local copy, or None (nothing read from the store) if
         it lacks one or a read fails: the warm path, without a thread hop or a second lookup."""
+        may_wait(f"reading {self.path}")
         if self._broken:
             return None
         # a restarted copy learns what it holds from its log; ``file`` is held until the
@@ -120,6 +123,7 @@ class SparseCopy:
         return out
 
     def __call__(self, ranges: list[tuple[int, int]], fresh: bool = False) -> tuple[list[bytes], int, int]:
+        may_wait(f"reading {self.path}")  # the disk, or the store for what it lacks
         if self._broken:
             return self._fetch(ranges)
         try:

@@ -24,12 +24,7 @@ class QueryEmbedder:
         self._cache: LRU[str, np.ndarray] = LRU(cache_size)
 
     def embed(self, text: str) -> np.ndarray:
-        found = self._cache.get(text)
-        if found is None:
-            may_wait("embedding the query")
-            found = self._embed(text)
-            self._cache.put(text, found)
-        return found
+        return self._cache.get_or_make(text, lambda: self._embed(text))
 
     def embed_texts(self, texts: list[str]) -> np.ndarray:
         """A batch of other texts (answer sentences, sources), one model call at a time."""
@@ -37,6 +32,7 @@ class QueryEmbedder:
             return self.embedder.embed(texts)
 
     def _embed(self, text: str) -> np.ndarray:
+        may_wait("embedding the query")
         future: Future[np.ndarray] = Future()
         with self._pending_lock:
             self._pending.append((text, future))

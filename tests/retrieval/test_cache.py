@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from indexing.ivf import BuildOptions, build_index
+from indexing.lists import ResidentLists
 from indexing.manifest import ManifestError, publish
 from indexing.reader import IndexReader
 from indexing.snapshot import plan
@@ -169,3 +171,32 @@ def test_a_cold_replica_fetches_a_builds_codec_once_and_a_shards_files_in_one_ro
     assert len(codec_gets) == 1, codec_gets
     assert sum(key.endswith(".table.npz") for key in store.gets) == len(manifest.shards)
     assert not any(key.endswith((".rows", ".ids.parquet")) for key in store.gets), "no id map is fetched whole"
+
+
+def test_a_warm_rerank_reads_its_vectors_from_the_disk_tier_in_place(
+    tmp_path: Path, ray_local: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compressed index re-ranks by float vectors: once the cache's sparse copy holds them, a
+    search reads them there on its own thread (``local_vectors`` through the copy's
+    ``read_local``), not through a ranged fetch on the shard pool. A wrapper around the copy
+    that hid ``read_local`` would quietly send every warm re-rank the long way."""
+    lake, vectors = synthetic_lake(str(tmp_path / "lake"), n=2000, dim=16)
+    root = tmp_path / "index"
+    opts = BuildOptions(nlist=16, iterations=3, shard_bytes=20_000, progress=False, codec="sq8")
+    publish(LocalStore(str(root)), build_index(plan(lake), str(root), ObjectStoreSettings(), opts))
+    reader = IndexReader(LocalStore(str(root)), source=ShardCache(tmp_path / "c"))
+    local: list[bool] = []
+    real = ResidentLists.local_vectors
+
+    def spy(self: ResidentLists, rows: np.ndarray, digests: np.ndarray) -> np.ndarray | None:
+        found = real(self, rows, digests)
+        local.append(found is not None)
+        return found
+
+    monkeypatch.setattr(ResidentLists, "local_vectors", spy)
+    query = vectors[:1]
+    cold = reader.search(query, 10, nprobe=4)
+    assert local and not any(local)  # cold: nothing on disk yet
+    local.clear()
+    assert reader.search(query, 10, nprobe=4) == cold
+    assert local and all(local)
