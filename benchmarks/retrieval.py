@@ -328,6 +328,22 @@ def bench_http(work: Path, seconds: float) -> None:
     fresh = [q for q in dict.fromkeys(" ".join(t.split()[:10]) for t in texts) if q.strip() and q not in titles]
     random.Random(3).shuffle(fresh)
     unasked = iter(fresh)
+    chunks = plan(lake).count
+
+    def phase(url: str, kind: str, clients: int, mode: str, loop_p99: float | None = None) -> float:
+        """One load phase, printed; its p99 (``loop_p99``: a workers baseline's, compared with it)."""
+        latencies, errors = load(url, queries, clients, seconds, mode, unasked if kind == "distinct" else None)
+        shown = percentiles(latencies)
+        baseline = (
+            {}
+            if loop_p99 is None
+            else {"threads": "workers", "event_loop_p99_vs_workers": round(loop_p99 / shown["p99_ms"], 3)}
+        )
+        emit(bench="http_search", corpus="pydocs", chunks=chunks, queries=kind, clients=clients, mode=mode,
+             seconds=seconds, requests=len(latencies), errors=errors, rps=round(len(latencies) / seconds, 1),
+             **shown, **baseline)  # fmt: skip
+        return shown["p99_ms"]
+
     on_loop: dict[int, dict[str, float]] = {}  # clients → mode → p99 ms, repeated queries
     proc, url = serve(lake.uri, str(index), work)
     try:
@@ -335,15 +351,7 @@ def bench_http(work: Path, seconds: float) -> None:
             load(url, queries, 2, 5, mode)
         for kind in ("repeated", "distinct"):
             for clients in (1, 8):
-                p99: dict[str, float] = {}
-                for mode in ("dense", "hybrid", "keyword"):
-                    distinct = unasked if kind == "distinct" else None
-                    latencies, errors = load(url, queries, clients, seconds, mode, distinct)
-                    shown = percentiles(latencies)
-                    p99[mode] = shown["p99_ms"]
-                    emit(bench="http_search", corpus="pydocs", chunks=plan(lake).count, queries=kind, clients=clients,
-                         mode=mode, seconds=seconds, requests=len(latencies), errors=errors,
-                         rps=round(len(latencies) / seconds, 1), **shown)  # fmt: skip
+                p99 = {mode: phase(url, kind, clients, mode) for mode in ("dense", "hybrid", "keyword")}
                 emit(bench="http_search_hybrid_vs_dense", queries=kind, clients=clients,
                      p99_ratio=round(p99["hybrid"] / p99["dense"], 3), target_p99_ratio=1.3)  # fmt: skip
                 if kind == "repeated":
@@ -356,12 +364,7 @@ def bench_http(work: Path, seconds: float) -> None:
             load(url, queries, 2, 5, mode)
         for clients in (1, 8):
             for mode in ("dense", "hybrid"):
-                latencies, errors = load(url, queries, clients, seconds, mode)
-                shown = percentiles(latencies)
-                emit(bench="http_search", corpus="pydocs", chunks=plan(lake).count, queries="repeated", clients=clients,
-                     mode=mode, threads="workers", seconds=seconds, requests=len(latencies), errors=errors,
-                     rps=round(len(latencies) / seconds, 1), **shown,
-                     event_loop_p99_vs_workers=round(on_loop[clients][mode] / shown["p99_ms"], 3))  # fmt: skip
+                phase(url, "repeated", clients, mode, on_loop[clients][mode])
     finally:
         os.killpg(proc.pid, 9)
 
