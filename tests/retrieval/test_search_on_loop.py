@@ -39,8 +39,7 @@ def ran_since(before: dict[str, float]) -> dict[str, int]:
 
 def warm_thread(engine: SearchEngine, mode: str = "hybrid") -> str:
     """Where a warm search runs: a compressed index re-ranks its candidates by their float
-    vectors, read from the cache's disk tier on every query (``--rerank``), so such searches
-    stay on workers."""
+    vectors, read from the cache's disk tier (``--rerank``), so such searches go to workers."""
     flat = engine.current_view().reader.manifest.codec == "flat"
     return "loop" if flat or mode == "keyword" else "worker after loop"
 
@@ -59,7 +58,7 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path, ray_local: None) -> S
     docs[42] = Doc(42, "how to call os.replace with dirs_exist_ok set")
     lake.write(docs)
     build(lake, tmp_path / "index", codec=request.param)
-    # a cold shard cache: the first search loads the shard (an sq8 index: and its probed lists)
+    # a shard cache with a disk tier: an sq8 index's re-ranking reads its float vectors there
     found = engine_for(lake, tmp_path / "index", tmp_path / "cache")
     threads: list[str] = []
     search_view = found.search_view
